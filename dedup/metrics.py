@@ -1,0 +1,55 @@
+"""Counters of one Gateway: answers per tier, and the work sent to Redis and the database."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["Stats"]
+
+
+@dataclass(slots=True)
+class Stats:
+    """Counters since the Gateway opened; ``Gateway.stats()`` returns a copy.
+
+    Answers: ``local``, ``inflight``, ``redis``, ``db``, ``write`` count saves
+    by where their answer came from (``write`` is the number of ``created=True``).
+    Work: ``redis_round_trips`` (script calls and other commands sent),
+    ``db_statements`` and ``db_rows_sent`` (rows offered to the sink,
+    including those that turned out to exist already).
+    Events: ``claim_batches``, ``write_batches``, ``busy`` (answers "another
+    writer holds it", each re-checked later), ``reclaims`` (winners whose lease
+    was nearly spent and was renewed before writing), ``lost_leases`` (rows
+    committed after the lease had passed to someone else), ``wait_timeouts``,
+    ``redis_errors``, ``db_errors``, ``overloaded``.
+    """
+
+    local: int = 0
+    inflight: int = 0
+    redis: int = 0
+    db: int = 0
+    write: int = 0
+    redis_round_trips: int = 0
+    db_statements: int = 0
+    db_rows_sent: int = 0
+    claim_batches: int = 0
+    write_batches: int = 0
+    busy: int = 0
+    reclaims: int = 0
+    lost_leases: int = 0
+    wait_timeouts: int = 0
+    redis_errors: int = 0
+    db_errors: int = 0
+    overloaded: int = 0
+
+    @property
+    def answers(self) -> int:
+        """All successful answers, whatever their tier."""
+        return self.local + self.inflight + self.redis + self.db + self.write
+
+    def copy(self) -> Stats:
+        """A snapshot that later counting does not change."""
+        return Stats(**asdict(self))
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters as a plain dict (for JSON and tables)."""
+        return asdict(self)

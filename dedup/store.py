@@ -1,0 +1,223 @@
+"""Database sinks: the write step, one statement per batch.
+
+The default sinks write ``dedup_items`` (schema in the migrations):
+PostgreSQL through asyncpg, SQLite through SQLAlchemy Core and aiosqlite. Both
+insert a batch with ONE ``INSERT ... ON CONFLICT DO NOTHING RETURNING``; rows
+arrive deduplicated and sorted by key, because concurrent multi-row upserts that
+lock keys in different orders deadlock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import asyncpg
+import sqlalchemy as sa
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from dedup.errors import ConfigError
+from dedup.types import Row
+
+__all__ = ["DefaultSink", "PostgresSink", "SqliteSink", "open_sink"]
+
+PG_INSERT = """
+INSERT INTO dedup_items (kind, digest, value, payload)
+SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::jsonb[])
+ON CONFLICT (kind, digest) DO NOTHING
+RETURNING kind, digest
+"""
+PG_COUNT = "SELECT count(*) FROM dedup_items WHERE kind = ANY($1::text[])"
+PG_DELETE = "DELETE FROM dedup_items WHERE kind = ANY($1::text[])"
+PG_TABLE_EXISTS = "SELECT to_regclass('dedup_items') IS NOT NULL"
+
+# An access description for SQLAlchemy Core, not a schema: the table itself is
+# created by the migrations. payload is declared Text because rows carry JSON
+# text already serialised; a JSON type would encode it a second time.
+_items = sa.Table(
+    "dedup_items",
+    sa.MetaData(),
+    sa.Column("kind", sa.Text, primary_key=True),
+    sa.Column("digest", sa.LargeBinary, primary_key=True),
+    sa.Column("value", sa.Text),
+    sa.Column("payload", sa.Text),
+)
+
+
+class DefaultSink(Protocol):
+    """What the Gateway needs of a default sink: the batch writer plus lifecycle and counting."""
+
+    async def open(self) -> None:
+        """Connect, and check that the schema is there."""
+
+    async def aclose(self) -> None:
+        """Close every connection; safe to call twice."""
+
+    async def __call__(self, rows: Sequence[Row]) -> list[tuple[str, bytes]]:
+        """Insert ``rows`` in one statement; return the keys of the rows inserted."""
+
+    async def count(self, kinds: Sequence[str]) -> int:
+        """How many rows the table holds for ``kinds``."""
+
+    async def delete(self, kinds: Sequence[str]) -> int:
+        """Delete the rows of ``kinds``; returns how many (used by the demo)."""
+
+
+class PostgresSink:
+    """Writes ``dedup_items`` in PostgreSQL through an asyncpg pool.
+
+    ``statement_timeout_ms`` is set on the server too, so a statement the client
+    gave up on does not go on holding row locks.
+    """
+
+    def __init__(self, url: str, *, pool_size: int, statement_timeout_ms: int) -> None:
+        self._url = url
+        self._pool_size = pool_size
+        self._timeout_ms = statement_timeout_ms
+        self._pool: asyncpg.Pool | None = None
+
+    async def open(self) -> None:
+        """Create the pool and check that ``dedup migrate`` has run."""
+        self._pool = await asyncpg.create_pool(
+            self._url,
+            min_size=1,
+            max_size=self._pool_size,
+            timeout=self._timeout_ms / 1000,
+            command_timeout=self._timeout_ms / 1000,
+            server_settings={
+                "statement_timeout": str(self._timeout_ms),
+                "application_name": "dedup",
+            },
+        )
+        if not await self._pool.fetchval(PG_TABLE_EXISTS):
+            await self.aclose()
+            raise ConfigError(
+                "table dedup_items does not exist in the database; run `dedup migrate` first"
+            )
+
+    async def aclose(self) -> None:
+        """Close the pool (cancellation-safe: the pool is forgotten first)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            try:
+                await asyncio.wait_for(pool.close(), timeout=self._timeout_ms / 1000 + 5)
+            except (TimeoutError, asyncio.CancelledError):
+                pool.terminate()
+                raise
+
+    def _require_pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise RuntimeError("sink is not open")
+        return self._pool
+
+    async def __call__(self, rows: Sequence[Row]) -> list[tuple[str, bytes]]:
+        """Insert ``rows`` with one statement and return the inserted keys."""
+        records = await self._require_pool().fetch(
+            PG_INSERT,
+            [r.kind for r in rows],
+            [r.digest for r in rows],
+            [r.value for r in rows],
+            [r.payload_json for r in rows],
+        )
+        return [(rec[0], rec[1]) for rec in records]
+
+    async def count(self, kinds: Sequence[str]) -> int:
+        """How many rows the table holds for ``kinds``."""
+        return int(await self._require_pool().fetchval(PG_COUNT, list(kinds)))
+
+    async def delete(self, kinds: Sequence[str]) -> int:
+        """Delete the rows of ``kinds``."""
+        status = await self._require_pool().execute(PG_DELETE, list(kinds))
+        return int(status.split()[-1])
+
+
+class SqliteSink:
+    """Writes ``dedup_items`` in a SQLite file (the embedded default).
+
+    SQLite has one writer at a time; WAL lets readers go on meanwhile. The
+    default ``synchronous`` level is kept so a committed row is durable.
+    """
+
+    def __init__(self, url: str, *, statement_timeout_ms: int) -> None:
+        self._url = url.replace("sqlite:///", "sqlite+aiosqlite:///", 1)
+        self._timeout_s = statement_timeout_ms / 1000
+        self._engine: AsyncEngine | None = None
+
+    async def open(self) -> None:
+        """Open the engine and check that the schema is there."""
+        engine = create_async_engine(
+            self._url, connect_args={"timeout": self._timeout_s}, pool_size=1, max_overflow=0
+        )
+
+        @sa.event.listens_for(engine.sync_engine, "connect")
+        def _pragmas(dbapi_connection: Any, _record: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.close()
+
+        self._engine = engine
+        async with engine.connect() as conn:
+            exists = await conn.run_sync(lambda c: sa.inspect(c).has_table("dedup_items"))
+        if not exists:
+            await self.aclose()
+            raise ConfigError(
+                "table dedup_items does not exist in the database; run `dedup migrate` first"
+            )
+
+    async def aclose(self) -> None:
+        """Dispose of the engine."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            await engine.dispose()
+
+    def _require_engine(self) -> AsyncEngine:
+        if self._engine is None:
+            raise RuntimeError("sink is not open")
+        return self._engine
+
+    async def __call__(self, rows: Sequence[Row]) -> list[tuple[str, bytes]]:
+        """Insert ``rows`` with one statement and return the inserted keys."""
+        stmt = (
+            sqlite_insert(_items)
+            .values(
+                [
+                    {
+                        "kind": r.kind,
+                        "digest": r.digest,
+                        "value": r.value,
+                        "payload": r.payload_json,
+                    }
+                    for r in rows
+                ]
+            )
+            .on_conflict_do_nothing(index_elements=["kind", "digest"])
+            .returning(_items.c.kind, _items.c.digest)
+        )
+        async with self._require_engine().begin() as conn:
+            result = await conn.execute(stmt)
+            return [(kind, bytes(dig)) for kind, dig in result.all()]
+
+    async def count(self, kinds: Sequence[str]) -> int:
+        """How many rows the table holds for ``kinds``."""
+        stmt = sa.select(sa.func.count()).select_from(_items).where(_items.c.kind.in_(kinds))
+        async with self._require_engine().connect() as conn:
+            return int((await conn.execute(stmt)).scalar_one())
+
+    async def delete(self, kinds: Sequence[str]) -> int:
+        """Delete the rows of ``kinds``."""
+        async with self._require_engine().begin() as conn:
+            result = await conn.execute(sa.delete(_items).where(_items.c.kind.in_(kinds)))
+            return int(result.rowcount)
+
+
+def open_sink(database_url: str, *, pool_size: int, statement_timeout_ms: int) -> DefaultSink:
+    """The default sink for ``database_url`` (postgresql:// or sqlite:///), not yet opened."""
+    if database_url.startswith(("postgresql://", "postgres://")):
+        return PostgresSink(
+            database_url, pool_size=pool_size, statement_timeout_ms=statement_timeout_ms
+        )
+    if database_url.startswith("sqlite:///"):
+        return SqliteSink(database_url, statement_timeout_ms=statement_timeout_ms)
+    raise ConfigError("database_url must start with postgresql:// or sqlite:///")
