@@ -1,0 +1,27 @@
+# The two commands of the README: `make demo` and `make test`.
+# Each first runs scripts/setup.sh, which installs what is missing.
+.PHONY: demo test lint setup setup-tests clean
+
+VENV := .venv/bin
+
+setup:
+	@bash scripts/setup.sh
+
+setup-tests:
+	@bash scripts/setup.sh --tests
+
+# The main job: the demo on the embedded default (private redis-server + SQLite).
+demo: setup
+	$(VENV)/dedup demo
+
+lint: setup-tests
+	$(VENV)/ruff check dedup tests
+	$(VENV)/ruff format --check dedup tests
+	$(VENV)/mypy
+
+# The whole suite: lint, types, and pytest against real redis-server and PostgreSQL.
+test: lint
+	$(VENV)/python -m pytest
+
+clean:
+	rm -rf .venv .dedup .pytest_cache .mypy_cache .ruff_cache
