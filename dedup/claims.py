@@ -17,12 +17,14 @@ from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
+from dedup.errors import ConfigError
 from dedup.metrics import Stats
 from dedup.scripts import ABORT, CLAIM, COMMIT, Script
 
-__all__ = ["CLUSTER_SCHEMES", "Claims", "connect_redis"]
+__all__ = ["CLUSTER_SCHEMES", "REDIS_SCHEMES", "Claims", "connect_redis"]
 
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
 
 _CLAIM, _COMMIT, _ABORT = Script(CLAIM), Script(COMMIT), Script(ABORT)
 
@@ -42,13 +44,10 @@ def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis 
         if url.startswith(scheme):
             plain = url.replace("+cluster", "", 1)
             return RedisCluster.from_url(plain, max_connections=max_connections, **common)
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(
-            "redis_url must start with redis://, rediss://, unix://, redis+cluster:// "
-            "or rediss+cluster://"
-        )
+    if not url.startswith(REDIS_SCHEMES):
+        raise ConfigError(f"redis_url must start with one of {', '.join(REDIS_SCHEMES)}")
     pool = ConnectionPool.from_url(url, max_connections=max_connections, **common)
-    return Redis(connection_pool=pool)
+    return Redis.from_pool(pool)  # the client owns the pool and closes it in aclose()
 
 
 class Claims:

@@ -30,13 +30,13 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from dedup.claims import Claims, connect_redis
+from dedup.claims import REDIS_SCHEMES, Claims, connect_redis
 from dedup.embedded import DataDirLock, EmbeddedRedis
 from dedup.errors import ConfigError, DedupError, InvalidInput, Overloaded, Unavailable, WaitTimeout
 from dedup.keys import KeySpace, Limits, encode_payload, validate_kind, validate_value
 from dedup.local import SavedCache
 from dedup.metrics import Stats
-from dedup.store import DefaultSink, open_sink
+from dedup.store import DATABASE_SCHEMES, DefaultSink, open_sink
 from dedup.types import BatchWriter, Item, Row, SaveResult, Source
 
 __all__ = ["Gateway"]
@@ -145,6 +145,10 @@ class Gateway:
     ) -> None:
         if sink is not None and database_url is not None:
             raise ConfigError("pass either database_url or sink, not both")
+        if redis_url is not None and not redis_url.startswith(REDIS_SCHEMES):
+            raise ConfigError(f"redis_url must start with one of {', '.join(REDIS_SCHEMES)}")
+        if database_url is not None and not database_url.startswith(DATABASE_SCHEMES):
+            raise ConfigError(f"database_url must start with one of {', '.join(DATABASE_SCHEMES)}")
         if lease_ms < 100:
             raise ConfigError("lease_ms must be at least 100")
         write_timeout_ms = lease_ms // 2 if write_timeout_ms is None else write_timeout_ms

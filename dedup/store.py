@@ -21,7 +21,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from dedup.errors import ConfigError
 from dedup.types import Row
 
-__all__ = ["DefaultSink", "PostgresSink", "SqliteSink", "open_sink"]
+__all__ = ["DATABASE_SCHEMES", "DefaultSink", "PostgresSink", "SqliteSink", "open_sink"]
+
+DATABASE_SCHEMES = ("postgresql://", "postgres://", "sqlite:///")
 
 PG_INSERT = """
 INSERT INTO dedup_items (kind, digest, value, payload)
@@ -220,4 +222,4 @@ def open_sink(database_url: str, *, pool_size: int, statement_timeout_ms: int) -
         )
     if database_url.startswith("sqlite:///"):
         return SqliteSink(database_url, statement_timeout_ms=statement_timeout_ms)
-    raise ConfigError("database_url must start with postgresql:// or sqlite:///")
+    raise ConfigError(f"database_url must start with one of {', '.join(DATABASE_SCHEMES)}")
