@@ -526,3 +526,15 @@ async def test_closed_gateway_refuses(redis_url: str, database_url: str) -> None
         await gw.save("email", "late")
     with pytest.raises(DedupError):
         await gw.open()
+
+
+async def test_scripts_reload_after_script_flush(redis_url: str, database_url: str) -> None:
+    async with Gateway(redis_url, database_url) as gw:
+        assert (await gw.save("email", "s1")).created
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            await client.script_flush()
+        finally:
+            await client.aclose()
+        assert (await gw.save("email", "s2")).created  # NOSCRIPT -> loaded again
+        assert gw.stats().redis_errors == 0

@@ -1,0 +1,97 @@
+"""The embedded default: a private redis-server on a unix socket and a SQLite file."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from dedup import ConfigError, Gateway
+from dedup.embedded import find_redis_server
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_embedded_default_starts_and_stops_its_servers(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    gw = Gateway(data_dir=data_dir)
+    async with gw:
+        embedded = gw._embedded
+        assert embedded is not None and embedded._proc is not None
+        pid = embedded._proc.pid
+        assert embedded.socket_path.exists()
+        rs = await gw.save_many([("email", "a"), ("email", "b"), ("email", "a")])
+        assert [r.source for r in rs] == ["write", "write", "inflight"]
+        assert (await gw.save("email", "a")).source == "local"
+    assert not _alive(pid)
+    assert not (data_dir / "redis.sock").exists()
+    # The rows are in the SQLite file, which outlives the Gateway.
+    with sqlite3.connect(data_dir / "dedup.sqlite3") as conn:
+        assert conn.execute("SELECT count(*) FROM dedup_items").fetchone() == (2,)
+    conn.close()
+    # A new Gateway on the same folder starts a new, empty Redis: the database answers.
+    async with Gateway(data_dir=data_dir) as again:
+        r = await again.save("email", "a")
+        assert (r.created, r.source) == (False, "db")
+
+
+async def test_data_dir_cannot_be_shared_by_accident(tmp_path: Path) -> None:
+    async with Gateway(data_dir=tmp_path) as _:
+        with pytest.raises(ConfigError, match=f"data_dir {tmp_path} is in use.*pid {os.getpid()}"):
+            async with Gateway(data_dir=tmp_path):
+                pass
+    # Released on close: the folder can be used again.
+    async with Gateway(data_dir=tmp_path) as gw:
+        assert (await gw.save("email", "z")).created
+
+
+async def test_embedded_redis_listens_on_no_tcp_port(tmp_path: Path) -> None:
+    async with Gateway(data_dir=tmp_path) as gw:
+        embedded = gw._embedded
+        assert embedded is not None
+        client = gw._redis
+        assert client is not None
+        config = await client.config_get("port")
+        assert config == {"port": "0"}
+        policy = await client.config_get("maxmemory-policy")
+        assert policy == {"maxmemory-policy": "noeviction"}
+        save = await client.config_get("save")
+        assert save == {"save": ""}
+
+
+async def test_long_data_dir_uses_a_short_socket_path(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    async with Gateway(data_dir=deep) as gw:
+        embedded = gw._embedded
+        assert embedded is not None
+        assert len(str(embedded.socket_path)) <= 107
+        assert (await gw.save("email", "long")).created
+        socket_path = embedded.socket_path
+    assert not socket_path.exists()
+
+
+async def test_cancelled_open_leaves_nothing_running(tmp_path: Path) -> None:
+    gw = Gateway(data_dir=tmp_path)
+    task = asyncio.create_task(gw.open())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await gw.aclose()
+    # Whatever stage open() reached, the folder is free again and no server is left.
+    async with Gateway(data_dir=tmp_path) as again:
+        assert (await again.save("email", "after-cancel")).created
+
+
+def test_redis_server_is_found() -> None:
+    assert os.access(find_redis_server(), os.X_OK)

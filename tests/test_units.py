@@ -1,0 +1,106 @@
+"""In-process pieces that need no server: keys, limits, the local tier, settings of scripts."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dedup import InvalidInput
+from dedup.keys import KeySpace, Limits, digest, encode_payload, validate_kind, validate_value
+from dedup.local import SavedCache
+from dedup.scripts import ABORT, CLAIM, COMMIT, Script
+
+LIMITS = Limits(max_value_bytes=64, max_payload_bytes=64)
+
+
+def test_keys_hold_digests_only() -> None:
+    space = KeySpace("ns")
+    key = space.key("email", digest("secret@example.com"))
+    assert key.startswith(b"ns:") and len(key) == 3 + 8 + 16
+    assert b"secret" not in key and b"email" not in key
+    assert space.key("email", digest("x")) != space.key("phone", digest("x"))
+    assert space.match_pattern == b"ns:*"
+
+
+def test_cluster_keys_carry_a_bounded_hash_tag() -> None:
+    space = KeySpace("ns", cluster_shards=4)
+    tags = {space.key("k", digest(str(i)))[3:6] for i in range(200)}
+    assert tags == {b"{0}", b"{1}", b"{2}", b"{3}"}
+
+
+@pytest.mark.parametrize("namespace", ["", "a*", "a{b}", "tab\t"])
+def test_bad_namespaces(namespace: str) -> None:
+    with pytest.raises(ValueError):
+        KeySpace(namespace)
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.text(max_size=80))
+def test_any_text_value_is_accepted_or_rejected_cleanly(value: str) -> None:
+    try:
+        d = validate_value(value, LIMITS)
+    except InvalidInput as exc:
+        assert exc.field == "value"
+        raw = value.encode("utf-8", "surrogatepass")
+        assert len(raw) > 64 or "\x00" in value or any(0xD800 <= ord(c) < 0xE000 for c in value)
+    else:
+        assert d == hashlib.blake2b(value.encode(), digest_size=16).digest() == digest(value)
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.one_of(st.none(), st.integers(), st.text(), st.binary(), st.lists(st.integers())))
+def test_any_kind_is_accepted_or_rejected_cleanly(kind: object) -> None:
+    try:
+        assert validate_kind(kind) == kind
+    except InvalidInput as exc:
+        assert exc.field == "kind"
+
+
+@settings(deadline=None, max_examples=200)
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(),
+        lambda c: st.lists(c) | st.dictionaries(st.text(), c),
+    )
+)
+def test_payloads_serialise_or_fail_typed(payload: object) -> None:
+    try:
+        text = encode_payload(payload, LIMITS)
+    except InvalidInput as exc:
+        assert exc.field == "payload"
+    else:
+        assert text is None or len(text.encode()) <= 64
+
+
+def test_deep_payload_is_rejected() -> None:
+    deep: object = []
+    for _ in range(300):
+        deep = [deep]
+    with pytest.raises(InvalidInput, match="payload"):
+        encode_payload(deep, Limits(max_value_bytes=10, max_payload_bytes=10_000))
+
+
+def test_saved_cache_is_a_bounded_lru() -> None:
+    cache = SavedCache(3)
+    for key in (b"a", b"b", b"c"):
+        cache.add(key)
+    assert b"a" in cache  # a is now the most recent
+    cache.add(b"d")  # evicts b, the least recently used
+    assert len(cache) == 3
+    assert b"b" not in cache
+    assert all(k in cache for k in (b"a", b"c", b"d"))
+    disabled = SavedCache(0)
+    disabled.add(b"x")
+    assert b"x" not in disabled and len(disabled) == 0
+    with pytest.raises(ValueError):
+        SavedCache(-1)
+
+
+def test_scripts_have_stable_shas_and_headers() -> None:
+    for source in (CLAIM, COMMIT, ABORT):
+        script = Script(source)
+        assert script.sha == hashlib.sha1(source.encode()).hexdigest()
+        assert "-- KEYS:" in source and "-- ARGV" in source and "-- Returns:" in source
