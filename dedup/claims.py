@@ -57,7 +57,7 @@ class Claims:
     Gateway already holds is extended on a re-claim, never reported busy.
     """
 
-    __slots__ = ("_client", "_cluster", "_lease", "_stats", "_token", "retention_ms")
+    __slots__ = ("_client", "_cluster", "_lease", "_slot_calls", "_stats", "_token", "retention_ms")
 
     def __init__(
         self,
@@ -66,6 +66,7 @@ class Claims:
         lease_ms: int,
         retention_ms: int,
         stats: Stats,
+        max_parallel: int = 8,
     ) -> None:
         self._client = client
         self._cluster = isinstance(client, RedisCluster)
@@ -74,6 +75,9 @@ class Claims:
         self._stats = stats
         # "L" keeps a token distinct from the saved marker "1" whatever the randomness.
         self._token = "L" + secrets.token_hex(12)
+        # On a cluster one batch fans out into a call per slot; bounding them all
+        # keeps each node's connections below its pool size (which raises, not waits).
+        self._slot_calls = asyncio.Semaphore(max_parallel)
 
     @property
     def token(self) -> str:
@@ -107,9 +111,12 @@ class Claims:
         for i, key in enumerate(keys):
             groups.setdefault(key_slot(key), []).append(i)
         self._stats.redis_round_trips += len(groups)
-        parts = await asyncio.gather(
-            *(script(client, [keys[i] for i in idx], args) for idx in groups.values())  # type: ignore[arg-type]
-        )
+
+        async def one_slot(idx: list[int]) -> Any:
+            async with self._slot_calls:
+                return await script(client, [keys[i] for i in idx], args)  # type: ignore[arg-type]
+
+        parts = await asyncio.gather(*(one_slot(idx) for idx in groups.values()))
         if script is not _CLAIM:
             return list(parts)
         # Claim answers are strings: put each letter back at its key's position.

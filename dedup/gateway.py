@@ -30,7 +30,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from dedup.claims import REDIS_SCHEMES, Claims, connect_redis
+from dedup.claims import CLUSTER_SCHEMES, REDIS_SCHEMES, Claims, connect_redis
 from dedup.embedded import DataDirLock, EmbeddedRedis
 from dedup.errors import ConfigError, DedupError, InvalidInput, Overloaded, Unavailable, WaitTimeout
 from dedup.keys import KeySpace, Limits, encode_payload, validate_kind, validate_value
@@ -115,8 +115,8 @@ class Gateway:
     - ``data_dir=".dedup"``: folder of the embedded default (locked while open).
     - ``migrate=None``: apply the schema at open (None: only for the embedded SQLite).
     - ``allow_eviction=False``: start even if Redis may evict keys (unsafe).
-    - ``cluster_shards=0``: hash-tag shards per namespace (64 is a good value on a
-      cluster: a batch then needs at most 64 script calls).
+    - ``cluster_shards=0``: hash-tag shards per namespace; 0 means none on a single
+      server and 64 on a cluster (a batch then needs at most 64 script calls).
     """
 
     def __init__(
@@ -166,6 +166,9 @@ class Gateway:
             raise ConfigError("wait_timeout_s and redis_timeout_s must be positive")
         if retention_s is not None and retention_s <= 0:
             raise ConfigError("retention_s must be positive or None")
+        if cluster_shards == 0 and redis_url is not None and redis_url.startswith(CLUSTER_SCHEMES):
+            # Without hash tags a batch would need one script call per key's slot.
+            cluster_shards = 64
         try:
             self._keys = KeySpace(namespace, cluster_shards=cluster_shards)
             self._limits = Limits(
@@ -265,7 +268,11 @@ class Gateway:
         )
         await self._check_redis(redis_url)
         self._claims = Claims(
-            self._redis, lease_ms=self._lease_ms, retention_ms=self._retention_ms, stats=self._stats
+            self._redis,
+            lease_ms=self._lease_ms,
+            retention_ms=self._retention_ms,
+            stats=self._stats,
+            max_parallel=connections - 2,
         )
 
         if self._custom_sink is not None:
@@ -583,7 +590,7 @@ class Gateway:
             except (RedisError, OSError) as exc:
                 self._stats.redis_errors += 1
                 for f in batch:
-                    self._fail(f, Unavailable(f"Redis failed a claim: {exc}", component="redis"))
+                    self._fail(f, Unavailable(f"Redis failed a claim: {exc!r}", component="redis"))
                 return
             self._stats.claim_batches += 1
             won = False
