@@ -15,7 +15,10 @@ from typing import Any
 
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.crc import key_slot
+from redis.exceptions import ConnectionError
 
 from dedup.errors import ConfigError
 from dedup.metrics import Stats
@@ -46,7 +49,11 @@ def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis 
             return RedisCluster.from_url(plain, max_connections=max_connections, **common)
     if not url.startswith(REDIS_SCHEMES):
         raise ConfigError(f"redis_url must start with one of {', '.join(REDIS_SCHEMES)}")
-    pool = ConnectionPool.from_url(url, max_connections=max_connections, **common)
+    # A pooled connection that died with a restarted server fails on its next use:
+    # retry such errors twice on a fresh connection (every script here is safe to
+    # repeat), but not timeouts, which would multiply the wait on a slow server.
+    retry = Retry(ExponentialBackoff(cap=0.05, base=0.005), 2, supported_errors=(ConnectionError,))
+    pool = ConnectionPool.from_url(url, max_connections=max_connections, retry=retry, **common)
     return Redis.from_pool(pool)  # the client owns the pool and closes it in aclose()
 
 

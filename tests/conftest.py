@@ -1,0 +1,217 @@
+"""Fixtures with real redis-server and PostgreSQL processes, and the "nothing hidden" rule.
+
+Fixtures:
+
+* ``redis_server`` (session): one :class:`RedisServer` for the whole run.
+* ``redis_url`` (function): that server's URL, FLUSHALLed before the test.
+* ``fresh_redis`` (function): a private redis-server per test (kill/pause/restart it freely).
+* ``pg_cluster`` (session): one :class:`PostgresCluster` for the whole run.
+* ``pg_empty_url`` (function): URL of a new, empty database, dropped after the test.
+* ``pg_url`` (function): like ``pg_empty_url`` with ``dedup.migrate.upgrade(url)`` applied.
+* ``fresh_pg`` (function): a private PostgreSQL cluster per test (kill/restart it freely).
+
+With ``CI=true`` in the environment, a run in which any test was skipped, deselected,
+xfailed or xpassed exits with status 1.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import itertools
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import cast
+
+import pytest
+import redis
+
+from tests.servers import PostgresCluster, RedisServer
+
+MIGRATE_TIMEOUT = 30.0
+
+_db_counter = itertools.count(1)
+
+
+# ------------------------------------------------------------------------------- redis
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One redis-server for the whole session (use ``fresh_redis`` to kill or pause one)."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """URL of the session redis-server, emptied (FLUSHALL) before the test."""
+    if not redis_server.is_alive():  # a test killed it by mistake: keep the rest going
+        redis_server.restart()
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=10, socket_connect_timeout=10)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def fresh_redis() -> Iterator[RedisServer]:
+    """A private redis-server for this test only; stopped (SIGCONT, SIGTERM...) after it."""
+    with RedisServer() as server:
+        yield server
+
+
+# -------------------------------------------------------------------------- postgresql
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PostgresCluster]:
+    """One PostgreSQL cluster for the whole session (use ``fresh_pg`` to kill one)."""
+    with PostgresCluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def pg_empty_url(pg_cluster: PostgresCluster) -> Iterator[str]:
+    """URL of a new empty database on the session cluster; dropped (WITH FORCE) after."""
+    if not pg_cluster.is_alive():  # a test killed it by mistake: keep the rest going
+        pg_cluster.restart()
+    name = f"t_{next(_db_counter)}_{os.getpid()}"
+    url = pg_cluster.create_database(name)
+    try:
+        yield url
+    finally:
+        if pg_cluster.is_alive():
+            pg_cluster.drop_database(name)
+
+
+@pytest.fixture
+def pg_url(pg_empty_url: str) -> str:
+    """URL of a new database with the dedup schema (``dedup.migrate.upgrade``) applied."""
+    # Imported here so that the fixtures work before/without dedup.migrate.
+    module = importlib.import_module("dedup.migrate")
+    upgrade = cast(Callable[[str], None], module.upgrade)
+    # In a thread of its own: upgrade() may run its own event loop (asyncio.run),
+    # which must not disturb the test's loop.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="migrate") as pool:
+        pool.submit(upgrade, pg_empty_url).result(timeout=MIGRATE_TIMEOUT)
+    return pg_empty_url
+
+
+@pytest.fixture
+def fresh_pg() -> Iterator[PostgresCluster]:
+    """A private PostgreSQL cluster for this test only; stopped and removed after it."""
+    with PostgresCluster() as cluster:
+        yield cluster
+
+
+# ---------------------------------------------------------------- nothing hidden in CI
+
+
+@dataclass
+class _Hidden:
+    skipped: int = 0
+    deselected: int = 0
+    xfailed: int = 0
+    xpassed: int = 0
+
+    def total(self) -> int:
+        return self.skipped + self.deselected + self.xfailed + self.xpassed
+
+    def describe(self) -> str:
+        parts = [
+            f"{count} {what}"
+            for what, count in (
+                ("skipped", self.skipped),
+                ("deselected", self.deselected),
+                ("xfailed", self.xfailed),
+                ("xpassed", self.xpassed),
+            )
+            if count
+        ]
+        return ", ".join(parts)
+
+
+_hidden_key = pytest.StashKey[_Hidden]()
+_message_key = pytest.StashKey[str]()
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() == "true"
+
+
+def _hidden(config: pytest.Config) -> _Hidden:
+    return config.stash.setdefault(_hidden_key, _Hidden())
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    if items:
+        _hidden(items[0].config).deselected += len(items)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # Reports carry no config; the counting lives on the module-level session config.
+    config = _current_config
+    if config is None:
+        return
+    hidden = _hidden(config)
+    if report.skipped:
+        if hasattr(report, "wasxfail"):
+            hidden.xfailed += 1
+        else:
+            hidden.skipped += 1
+    elif report.passed and report.when == "call" and hasattr(report, "wasxfail"):
+        hidden.xpassed += 1
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.skipped and _current_config is not None:  # e.g. a module-level skip
+        _hidden(_current_config).skipped += 1
+
+
+_current_config: pytest.Config | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _current_config
+    _current_config = config
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    global _current_config
+    if _current_config is config:
+        _current_config = None
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not _in_ci():
+        return
+    hidden = _hidden(session.config)
+    # The terminal reporter's own counts, in case a plugin bypassed the hooks above.
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        stats = cast(pytest.TerminalReporter, reporter).stats
+        hidden.deselected = max(hidden.deselected, len(stats.get("deselected", [])))
+        hidden.xfailed = max(hidden.xfailed, len(stats.get("xfailed", [])))
+        hidden.xpassed = max(hidden.xpassed, len(stats.get("xpassed", [])))
+        skipped = len(stats.get("skipped", []))
+        hidden.skipped = max(hidden.skipped, skipped)
+    if hidden.total() == 0:
+        return
+    message = (
+        f"CI=true and this run hid tests ({hidden.describe()}): nothing may be skipped, "
+        "deselected or xfailed in CI, so the run fails."
+    )
+    session.config.stash[_message_key] = message
+    if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    message = terminalreporter.config.stash.get(_message_key, None)
+    if message:
+        terminalreporter.section("nothing hidden", sep="=", red=True, bold=True)
+        terminalreporter.write_line(f"FAILED: {message}", red=True, bold=True)
