@@ -519,6 +519,8 @@ class Gateway:
         self, kind: str, value: str, digest: bytes, payload_json: str | None
     ) -> tuple[asyncio.Future[Source], bool] | None:
         """Route one validated value: None when known saved, else its future and whether shared."""
+        if self._state != "open":
+            raise DedupError(f"the Gateway is {self._state}, not open")
         key = self._keys.key(kind, digest)
         if key in self._local:
             self._stats.local += 1
@@ -526,8 +528,6 @@ class Gateway:
         fut = self._inflight.get(key)
         if fut is not None:
             return fut, True
-        if self._state != "open":
-            raise DedupError(f"the Gateway is {self._state}, not open")
         if len(self._inflight) >= self._max_pending:
             self._stats.overloaded += 1
             raise Overloaded("too many saves in flight; retry later")

@@ -520,7 +520,10 @@ async def test_redis_restarted_empty_mid_run(fresh_redis: RedisServer, database_
 async def test_closed_gateway_refuses(redis_url: str, database_url: str) -> None:
     gw = Gateway(redis_url, database_url)
     await gw.open()
+    assert (await gw.save("email", "early")).created
     await gw.aclose()
+    with pytest.raises(DedupError, match="closed"):
+        await gw.save("email", "early")  # not even from the local tier
     await gw.aclose()  # twice is fine
     with pytest.raises(DedupError, match="closed"):
         await gw.save("email", "late")
