@@ -22,6 +22,7 @@ import logging
 import random
 import re
 from collections.abc import Awaitable, Iterable, Sequence
+from hashlib import blake2b
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -33,7 +34,14 @@ from redis.exceptions import RedisError
 from dedup.claims import CLUSTER_SCHEMES, REDIS_SCHEMES, Claims, connect_redis
 from dedup.embedded import DataDirLock, EmbeddedRedis
 from dedup.errors import ConfigError, DedupError, InvalidInput, Overloaded, Unavailable, WaitTimeout
-from dedup.keys import KeySpace, Limits, encode_payload, validate_kind, validate_value
+from dedup.keys import (
+    DIGEST_BYTES,
+    KeySpace,
+    Limits,
+    encode_payload,
+    validate_kind,
+    validate_value,
+)
 from dedup.local import SavedCache
 from dedup.metrics import Stats
 from dedup.store import DATABASE_SCHEMES, DefaultSink, open_sink
@@ -62,8 +70,8 @@ def redact(url: str) -> str:
 class _Flight:
     """One value on its way through claim, wait and write; shared by its callers."""
 
-    __slots__ = ("backoff", "claimed_at", "deadline", "digest", "future", "key", "kind",
-                 "payload_json", "value")  # fmt: skip
+    __slots__ = ("backoff", "claimed_at", "deadline", "digest", "done", "key", "kind",
+                 "payload_json", "value", "waiters")  # fmt: skip
 
     def __init__(
         self,
@@ -72,7 +80,7 @@ class _Flight:
         value: str,
         digest: bytes,
         payload_json: str | None,
-        future: asyncio.Future[Source],
+        waiter: asyncio.Future[Source],
         deadline: float,
     ) -> None:
         self.key = key
@@ -80,7 +88,10 @@ class _Flight:
         self.value = value
         self.digest = digest
         self.payload_json = payload_json
-        self.future = future
+        # One future per caller: a cancelled caller cancels only its own future,
+        # never the work the others share.
+        self.waiters = [waiter]
+        self.done = False
         self.deadline = deadline
         self.claimed_at = 0.0
         self.backoff = 0.0
@@ -201,7 +212,8 @@ class Gateway:
         self._max_backoff_s = min(0.1, self._lease_s / 4)
 
         self._stats = Stats()
-        self._inflight: dict[bytes, asyncio.Future[Source]] = {}
+        self._kinds_ok: set[str] = set()
+        self._inflight: dict[bytes, _Flight] = {}
         self._claim_q: list[_Flight] = []
         self._write_q: list[_Flight] = []
         self._waiting: list[tuple[float, int, _Flight]] = []
@@ -344,7 +356,12 @@ class Gateway:
         try:
             if was_open and self._inflight:
                 timeout = self._wait_timeout_s if drain_timeout_s is None else drain_timeout_s
-                await asyncio.wait(list(self._inflight.values()), timeout=timeout)
+                deadline = asyncio.get_running_loop().time() + timeout
+                # Wait for the flights, not the callers: a flight whose callers were all
+                # cancelled still holds a lease until it finishes. Polled, as this runs
+                # only at close, where an Event set on every resolve would tax the hot path.
+                while self._inflight and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110
+                    await asyncio.sleep(0.005)
         finally:
             try:
                 await self._stop_work()
@@ -368,10 +385,9 @@ class Gateway:
         self._write_q.clear()
         for flight in leftovers:
             self._fail(flight, closed)
-        for key, fut in list(self._inflight.items()):
-            if not fut.done():
-                fut.set_exception(DedupError(str(closed)))
-            del self._inflight[key]
+        for flight in list(self._inflight.values()):
+            self._fail(flight, DedupError(str(closed)))
+        self._inflight.clear()
 
     async def _close_parts(self) -> None:
         """Close every owned resource, each step even if an earlier one failed."""
@@ -396,6 +412,10 @@ class Gateway:
 
     # ----------------------------------------------------------------- public API
 
+    def _kinds_ok_add(self, kind: str) -> None:
+        if len(self._kinds_ok) < 4096:  # kinds are few; bound the set anyway
+            self._kinds_ok.add(kind)
+
     def stats(self) -> Stats:
         """A snapshot of the counters (answers per tier, round trips, statements, rows)."""
         return self._stats.copy()
@@ -413,15 +433,24 @@ class Gateway:
         Raises :class:`InvalidInput`, :class:`Unavailable`, :class:`WaitTimeout`,
         :class:`Overloaded`, or :class:`DedupError` when the Gateway is not open.
         """
-        validate_kind(kind)
-        digest = validate_value(value, self._limits)
+        # The common case inline (this is the hot path); the validators give the errors.
+        if type(kind) is not str or kind not in self._kinds_ok:
+            self._kinds_ok_add(validate_kind(kind))
+        if type(value) is not str:
+            validate_value(value, self._limits)
+        try:
+            raw = value.encode()
+        except UnicodeEncodeError:
+            raw = b"\x00"  # refused below with the validator's message
+        if len(raw) > self._limits.max_value_bytes or b"\x00" in raw:
+            validate_value(value, self._limits)
+        digest = blake2b(raw, digest_size=DIGEST_BYTES).digest()
         payload_json = None if payload is None else encode_payload(payload, self._limits)
         routed = self._submit(kind, value, digest, payload_json)
         if routed is None:
             return _LOCAL
         fut, shared = routed
-        # shield: a cancelled caller must not cancel the work others share.
-        source = await asyncio.shield(fut)
+        source = await fut
         if shared:
             self._stats.inflight += 1
             return _INFLIGHT
@@ -459,9 +488,7 @@ class Gateway:
                 waits.append((i, *routed))
         if not waits:
             return results
-        outcomes = await asyncio.gather(
-            *(asyncio.shield(f) for _, f, _ in waits), return_exceptions=True
-        )
+        outcomes = await asyncio.gather(*(f for _, f, _ in waits), return_exceptions=True)
         error: BaseException | None = None
         for (i, _, shared), outcome in zip(waits, outcomes, strict=True):
             if isinstance(outcome, BaseException):
@@ -525,19 +552,21 @@ class Gateway:
         if key in self._local:
             self._stats.local += 1
             return None
-        fut = self._inflight.get(key)
-        if fut is not None:
-            return fut, True
+        loop = self._loop
+        assert loop is not None
+        flight = self._inflight.get(key)
+        if flight is not None:
+            waiter: asyncio.Future[Source] = loop.create_future()
+            flight.waiters.append(waiter)
+            return waiter, True
         if len(self._inflight) >= self._max_pending:
             self._stats.overloaded += 1
             raise Overloaded("too many saves in flight; retry later")
-        loop = self._loop
-        assert loop is not None
-        fut = loop.create_future()
-        self._inflight[key] = fut
+        fut: asyncio.Future[Source] = loop.create_future()
         flight = _Flight(
             key, kind, value, digest, payload_json, fut, loop.time() + self._wait_timeout_s
         )
+        self._inflight[key] = flight
         self._claim_q.append(flight)
         if not self._claim_scheduled:
             self._claim_scheduled = True
@@ -720,17 +749,22 @@ class Gateway:
             self._wait_timer = loop.call_at(waiting[0][0], self._wake)
 
     def _resolve(self, f: _Flight, source: Source) -> None:
-        self._inflight.pop(f.key, None)
+        if self._inflight.get(f.key) is f:
+            del self._inflight[f.key]
         self._local.add(f.key)
-        if not f.future.done():
-            f.future.set_result(source)
+        f.done = True
+        for waiter in f.waiters:
+            if not waiter.done():  # a cancelled caller's future is done already
+                waiter.set_result(source)
 
     def _fail(self, f: _Flight, exc: BaseException) -> None:
         # Failures are not cached: the next save of the value starts afresh.
-        if self._inflight.get(f.key) is f.future:
+        if self._inflight.get(f.key) is f:
             del self._inflight[f.key]
-        if not f.future.done():
-            f.future.set_exception(exc)
+        f.done = True
+        for waiter in f.waiters:
+            if not waiter.done():
+                waiter.set_exception(exc)
 
     def _fail_unfinished(self, batch: list[_Flight], exc: BaseException) -> None:
         if isinstance(exc, asyncio.CancelledError):
@@ -739,7 +773,7 @@ class Gateway:
             log.exception("internal error in a batch", exc_info=exc)
             error = DedupError(f"internal error: {exc!r}")
         for f in batch:
-            if not f.future.done() and f not in self._claim_q and f not in self._write_q:
+            if not f.done and f not in self._claim_q and f not in self._write_q:
                 self._fail(f, error)
 
 
