@@ -446,10 +446,15 @@ class Gateway:
             validate_value(value, self._limits)
         digest = blake2b(raw, digest_size=DIGEST_BYTES).digest()
         payload_json = None if payload is None else encode_payload(payload, self._limits)
-        routed = self._submit(kind, value, digest, payload_json)
-        if routed is None:
+        if self._state != "open":
+            raise DedupError(f"the Gateway is {self._state}, not open")
+        key = self._keys.key(kind, digest)
+        saved = self._local.entries
+        if key in saved:  # the local tier, inline: most answers end here
+            saved.move_to_end(key)
+            self._stats.local += 1
             return _LOCAL
-        fut, shared = routed
+        fut, shared = self._submit_new(key, kind, value, digest, payload_json)
         source = await fut
         if shared:
             self._stats.inflight += 1
@@ -552,6 +557,12 @@ class Gateway:
         if key in self._local:
             self._stats.local += 1
             return None
+        return self._submit_new(key, kind, value, digest, payload_json)
+
+    def _submit_new(
+        self, key: bytes, kind: str, value: str, digest: bytes, payload_json: str | None
+    ) -> tuple[asyncio.Future[Source], bool]:
+        """Join the value's flight, or start one: its future and whether it is shared."""
         loop = self._loop
         assert loop is not None
         flight = self._inflight.get(key)

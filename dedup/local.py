@@ -25,6 +25,15 @@ class SavedCache:
         self.maxsize = maxsize
         self._entries: OrderedDict[bytes, None] = OrderedDict()
 
+    @property
+    def entries(self) -> OrderedDict[bytes, None]:
+        """The ordered keys, oldest first, for a hot path that inlines the lookup.
+
+        A reader that finds a key must ``move_to_end`` it, as ``in`` does; only
+        :meth:`add` may insert.
+        """
+        return self._entries
+
     def __contains__(self, key: bytes) -> bool:
         entries = self._entries
         if key in entries:
