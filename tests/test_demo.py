@@ -140,3 +140,32 @@ def test_shipped_config_lists_every_setting_with_its_default() -> None:
     assert set(document["gateway"]) == {f.name for f in fields(Settings)}
     shipped = load_settings(config_path=ROOT / "config" / "dedup.toml", environ={}, flags={})
     assert shipped == Settings()
+
+
+def test_demo_draws_a_progress_bar_on_a_terminal(tmp_path: Path) -> None:
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dedup", "demo", *SMALL, "--data-dir", str(tmp_path)],
+            cwd=ROOT,
+            stdout=follower,
+            stderr=subprocess.DEVNULL,
+        )
+        os.close(follower)
+        chunks: list[bytes] = []
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the terminal closes when the demo exits
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert proc.wait(timeout=300) == 0
+    finally:
+        os.close(leader)
+    screen = b"".join(chunks).decode()
+    assert "\r[" in screen and "ev/s" in screen
+    assert screen.rstrip().endswith("rows in table == unique values: PASS")
