@@ -10,12 +10,12 @@ lock keys in different orders deadlock.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import asyncpg
 import sqlalchemy as sa
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from dedup.errors import ConfigError
@@ -46,6 +46,19 @@ _items = sa.Table(
     sa.Column("value", sa.Text),
     sa.Column("payload", sa.Text),
 )
+
+
+_SQLITE_MAX_ROWS = 8000
+
+
+@functools.lru_cache(maxsize=64)
+def _sqlite_insert_sql(n: int) -> str:
+    """The SQLite insert of ``n`` rows: parameters only, never values in the text."""
+    values = ",".join(["(?,?,?,?)"] * n)
+    return (
+        f"INSERT INTO dedup_items (kind, digest, value, payload) VALUES {values} "  # noqa: S608
+        "ON CONFLICT (kind, digest) DO NOTHING RETURNING kind, digest"
+    )
 
 
 class DefaultSink(Protocol):
@@ -181,25 +194,21 @@ class SqliteSink:
 
     async def __call__(self, rows: Sequence[Row]) -> list[tuple[str, bytes]]:
         """Insert ``rows`` with one statement and return the inserted keys."""
-        stmt = (
-            sqlite_insert(_items)
-            .values(
-                [
-                    {
-                        "kind": r.kind,
-                        "digest": r.digest,
-                        "value": r.value,
-                        "payload": r.payload_json,
-                    }
-                    for r in rows
-                ]
-            )
-            .on_conflict_do_nothing(index_elements=["kind", "digest"])
-            .returning(_items.c.kind, _items.c.digest)
-        )
+        # Compiling a multi-row insert with SQLAlchemy costs more than SQLite's
+        # insert itself, so the statement text is built once per batch size.
+        inserted: list[tuple[str, bytes]] = []
         async with self._require_engine().begin() as conn:
-            result = await conn.execute(stmt)
-            return [(kind, bytes(dig)) for kind, dig in result.all()]
+            # SQLite allows 32,766 parameters a statement: a huge batch takes several,
+            # still in one transaction.
+            for start in range(0, len(rows), _SQLITE_MAX_ROWS):
+                chunk = rows[start : start + _SQLITE_MAX_ROWS]
+                params = tuple(
+                    x for r in chunk for x in (r.kind, r.digest, r.value, r.payload_json)
+                )
+                result = await conn.exec_driver_sql(_sqlite_insert_sql(len(chunk)), params)
+                records: list[Any] = list(result.all())  # untyped: raw driver SQL
+                inserted += [(str(rec[0]), bytes(rec[1])) for rec in records]
+        return inserted
 
     async def count(self, kinds: Sequence[str]) -> int:
         """How many rows the table holds for ``kinds``."""
