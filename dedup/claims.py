@@ -112,16 +112,18 @@ class Claims:
             return []
         client = self._client
         if not self._cluster:
-            self._stats.redis_round_trips += 1
-            return [await script(client, keys, args)]  # type: ignore[arg-type]
+            result, trips = await script(client, keys, args)
+            self._stats.redis_round_trips += trips
+            return [result]
         groups: dict[int, list[int]] = {}
         for i, key in enumerate(keys):
             groups.setdefault(key_slot(key), []).append(i)
-        self._stats.redis_round_trips += len(groups)
 
         async def one_slot(idx: list[int]) -> Any:
             async with self._slot_calls:
-                return await script(client, [keys[i] for i in idx], args)  # type: ignore[arg-type]
+                result, trips = await script(client, [keys[i] for i in idx], args)
+                self._stats.redis_round_trips += trips
+                return result
 
         parts = await asyncio.gather(*(one_slot(idx) for idx in groups.values()))
         if script is not _CLAIM:

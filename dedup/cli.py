@@ -1,4 +1,4 @@
-"""The ``dedup`` command: ``demo`` and ``migrate``.
+"""The ``dedup`` command: ``demo``, ``migrate`` and ``bench``.
 
 Settings reach every subcommand as flag > ``DEDUP_*`` environment variable >
 ``--config`` file (default ``config/dedup.toml``) > built-in default.
@@ -52,6 +52,17 @@ def _parser() -> argparse.ArgumentParser:
 
     migrate = sub.add_parser("migrate", help="create or upgrade the dedup_items table")
     common(migrate)
+
+    bench = sub.add_parser(
+        "bench", help="dedup against the textbook pattern and the database alone, in one run"
+    )
+    bench.add_argument("--redis-url", help="a Redis to use (default: start a throwaway one)")
+    bench.add_argument(
+        "--database-url", help="a PostgreSQL database (default: start a throwaway cluster)"
+    )
+    bench.add_argument("--quick", action="store_true", help="a short run (20,000 requests)")
+    bench.add_argument("--requests", type=int, help="requests per run (default 200,000)")
+    bench.add_argument("--out", default="bench-results", help="folder of bench.json and the chart")
     return parser
 
 
@@ -110,12 +121,34 @@ def _migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dedup.bench import bench_command
+
+    # Only explicit flags or DEDUP_* variables: the bench must not pick up a
+    # config file's production URLs and flush them.
+    if args.requests is not None and args.requests < 1:
+        raise DedupError("--requests must be at least 1")
+    redis_url = args.redis_url or os.environ.get("DEDUP_BENCH_REDIS_URL")
+    database_url = args.database_url or os.environ.get("DEDUP_BENCH_DATABASE_URL")
+    return bench_command(
+        quick=args.quick,
+        redis_url=redis_url,
+        database_url=database_url,
+        out_dir=Path(args.out),
+        requests=args.requests,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dedup`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "demo":
             return _demo(args)
+        if args.command == "bench":
+            return _bench(args)
         return _migrate(args)
     except DedupError as exc:
         print(f"dedup: error: {exc}", file=sys.stderr)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 __all__ = ["ABORT", "CLAIM", "COMMIT", "SAVED_MARKER", "Script"]
@@ -95,11 +96,14 @@ class Script:
         self.source = source
         self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
 
-    async def __call__(self, client: Redis, keys: Sequence[bytes], args: Sequence[Any]) -> Any:
-        """Run the script on ``client`` with ``keys`` and ``args``; one round trip normally."""
+    async def __call__(
+        self, client: Redis | RedisCluster, keys: Sequence[bytes], args: Sequence[Any]
+    ) -> tuple[Any, int]:
+        """Run the script on ``client``: its result and the round trips it took (1, or 3
+        when the server had lost the script and it was loaded again)."""
         try:
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
+            return await client.evalsha(self.sha, len(keys), *keys, *args), 1
         except NoScriptError:
             # A restarted or flushed server lost its script cache: load and retry once.
             await client.script_load(self.source)
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
+            return await client.evalsha(self.sha, len(keys), *keys, *args), 3
