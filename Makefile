@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` and `make test`.
 # Each first runs scripts/setup.sh, which installs what is missing.
-.PHONY: demo test lint setup setup-tests clean
+.PHONY: demo test lint bench setup setup-tests clean
 
 VENV := .venv/bin
 
@@ -22,6 +22,10 @@ lint: setup-tests
 # The whole suite: lint, types, and pytest against real redis-server and PostgreSQL.
 test: lint
 	$(VENV)/python -m pytest
+
+# The side-by-side benchmark (not a test): starts its own servers.
+bench: setup-tests
+	$(VENV)/dedup bench
 
 clean:
 	rm -rf .venv .dedup .pytest_cache .mypy_cache .ruff_cache
