@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import math
 import random
 import re
 from collections.abc import Awaitable, Iterable, Sequence
@@ -59,6 +60,7 @@ _RESULTS: dict[Source, SaveResult] = {
     "write": SaveResult(True, "write"),
 }
 _LOCAL = _RESULTS["local"]
+_WAKE_TICK_S = 0.005
 _INFLIGHT = _RESULTS["inflight"]
 
 
@@ -201,6 +203,9 @@ class Gateway:
         self._write_budget_s = self._write_timeout_s + min(0.25, self._lease_s / 10)
         self._max_batch = max_batch
         self._max_claim_batches = max_claim_batches
+        # While a batch is in flight, another starts only once this many are queued;
+        # with nothing in flight, even one key goes at once.
+        self._min_fill = max(1, max_batch // 8)
         self._max_write_batches = max_write_batches
         self._max_pending = max_pending
         self._redis_timeout_s = redis_timeout_s
@@ -595,6 +600,8 @@ class Gateway:
         self._claim_scheduled = False
         queue, size = self._claim_q, self._max_batch
         while queue and self._claims_running < self._max_claim_batches:
+            if self._claims_running and len(queue) < self._min_fill:
+                break  # a batch in flight will flush us when it ends: let this one grow
             batch = queue[:size]
             del queue[:size]
             self._claims_running += 1
@@ -605,6 +612,8 @@ class Gateway:
         self._write_scheduled = False
         queue, size = self._write_q, self._max_batch
         while queue and self._writes_running < self._max_write_batches:
+            if self._writes_running and len(queue) < self._min_fill:
+                break  # as for claims: an idle pipeline sends at once, a busy one batches
             batch = queue[:size]
             del queue[:size]
             self._writes_running += 1
@@ -737,7 +746,10 @@ class Gateway:
             )
             return
         f.backoff = min(f.backoff * 2, self._max_backoff_s) if f.backoff else self._min_backoff_s
-        due = min(now + f.backoff * (0.5 + random.random()), f.deadline)
+        due = now + f.backoff * (0.5 + random.random())
+        # Round up to a shared tick so that waiters wake (and re-claim) together in one
+        # batch instead of one timer and one tiny claim call each.
+        due = min(math.ceil(due / _WAKE_TICK_S) * _WAKE_TICK_S, f.deadline)
         self._wait_seq += 1
         heapq.heappush(self._waiting, (due, self._wait_seq, f))
         if self._waiting[0][2] is f:
