@@ -38,6 +38,7 @@ from typing import Any
 import asyncpg
 from redis.asyncio import ConnectionPool, Redis
 
+from dedup.claims import unlink_matching
 from dedup.demo import make_stream
 from dedup.gateway import Gateway
 from dedup.keys import KeySpace, digest
@@ -295,14 +296,7 @@ async def _reset(redis_url: str, pg_url: str) -> None:
     r = Redis.from_url(redis_url)
     try:
         for ns in NAMESPACES:
-            batch: list[bytes] = []
-            async for key in r.scan_iter(match=f"{ns}:*", count=1000):
-                batch.append(key)
-                if len(batch) >= 1000:
-                    await r.unlink(*batch)
-                    batch.clear()
-            if batch:
-                await r.unlink(*batch)
+            await unlink_matching(r, f"{ns}:*")
     finally:
         await r.aclose()
     conn = await asyncpg.connect(pg_url)

@@ -24,7 +24,7 @@ from dedup.errors import ConfigError
 from dedup.metrics import Stats
 from dedup.scripts import ABORT, CLAIM, COMMIT, Script
 
-__all__ = ["CLUSTER_SCHEMES", "REDIS_SCHEMES", "Claims", "connect_redis"]
+__all__ = ["CLUSTER_SCHEMES", "REDIS_SCHEMES", "Claims", "connect_redis", "unlink_matching"]
 
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
@@ -55,6 +55,24 @@ def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis 
     retry = Retry(ExponentialBackoff(cap=0.05, base=0.005), 2, supported_errors=(ConnectionError,))
     pool = ConnectionPool.from_url(url, max_connections=max_connections, retry=retry, **common)
     return Redis.from_pool(pool)  # the client owns the pool and closes it in aclose()
+
+
+async def unlink_matching(client: Redis | RedisCluster, pattern: bytes | str) -> int:
+    """UNLINK every key matching ``pattern`` (SCAN, 1,000 at a time; every primary of a
+    cluster); returns how many. For demos, tests and the bench, never the hot path."""
+    nodes: list[Any] = list(client.get_primaries()) if isinstance(client, RedisCluster) else [None]
+    removed = 0
+    for node in nodes:
+        kwargs: dict[str, Any] = {} if node is None else {"target_nodes": node}
+        batch: list[bytes] = []
+        async for key in client.scan_iter(match=pattern, count=1000, **kwargs):
+            batch.append(key)
+            if len(batch) >= 1000:
+                removed += await client.unlink(*batch)
+                batch.clear()
+        if batch:
+            removed += await client.unlink(*batch)
+    return removed
 
 
 class Claims:

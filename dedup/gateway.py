@@ -32,7 +32,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from dedup.claims import CLUSTER_SCHEMES, REDIS_SCHEMES, Claims, connect_redis
+from dedup.claims import CLUSTER_SCHEMES, REDIS_SCHEMES, Claims, connect_redis, unlink_matching
 from dedup.embedded import DataDirLock, EmbeddedRedis
 from dedup.errors import ConfigError, DedupError, InvalidInput, Overloaded, Unavailable, WaitTimeout
 from dedup.keys import (
@@ -520,19 +520,7 @@ class Gateway:
         sink, client = self._require_default_sink(), self._require_redis()
         if self._inflight:
             raise DedupError("purge needs a quiet Gateway: saves are in flight")
-        nodes: list[Any] = (
-            list(client.get_primaries()) if isinstance(client, RedisCluster) else [None]
-        )
-        for node in nodes:
-            batch: list[bytes] = []
-            kwargs: dict[str, Any] = {} if node is None else {"target_nodes": node}
-            async for key in client.scan_iter(match=self._keys.match_pattern, count=1000, **kwargs):
-                batch.append(key)
-                if len(batch) >= 1000:
-                    await client.unlink(*batch)
-                    batch.clear()
-            if batch:
-                await client.unlink(*batch)
+        await unlink_matching(client, self._keys.match_pattern)
         self._local.clear()
         await sink.delete(kinds)
 
