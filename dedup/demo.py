@@ -96,7 +96,7 @@ async def run_demo(
     unique = len(set(stream))
     names = [value_of(r) for r in range(values)]
     kwargs = dict(gateway_kwargs)
-    kwargs.setdefault("namespace", DEMO_NAMESPACE)
+    kwargs["namespace"] = DEMO_NAMESPACE  # never the production namespace: purge clears it
     latencies = array("d", bytes(8 * events))
     done = [0]
     created = 0
