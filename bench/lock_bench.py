@@ -1,0 +1,206 @@
+"""Lock throughput under contention: dedup.lock.Lock against redis-py's Lock, one run.
+
+    .venv/bin/python bench/lock_bench.py [--processes 4] [--tasks 4] [--seconds 3]
+                                         [--names 1] [--hold-ms 0]
+
+Starts its own redis-server (see dedup.servers). For each variant, ``processes``
+OS processes with ``tasks`` asyncio tasks each loop acquire + release on the same
+``names`` lock names for ``seconds``; every task has its own Lock object. Printed
+per variant: acquisitions per second; requests the clients sent per acquisition
+(round trips: the acquire, the release, and every failed attempt or poll);
+commands the server ran per acquisition (INFO ``total_commands_processed``, which
+also counts each command inside a script); and the time spent inside
+``acquire()`` (median and 99th percentile). Not a test: figures depend on the
+machine and on what else runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from redis import Redis as SyncRedis
+from redis.asyncio import Redis
+from redis.asyncio.lock import Lock as RedisLock
+
+from dedup.lock import Lock
+from dedup.servers import RedisServer
+
+# (label, lock class, keyword arguments of the Lock)
+VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
+    ("redis-py Lock, sleep=0.1 (default)", "redis-py", {"sleep": 0.1}),
+    ("redis-py Lock, sleep=0.001", "redis-py", {"sleep": 0.001}),
+    ("dedup Lock, sleep=0.1 (default)", "dedup", {"sleep": 0.1}),
+    ("dedup Lock, sleep=1.0", "dedup", {"sleep": 1.0}),
+]
+
+START_TIMEOUT_S = 60.0
+
+
+# ---------------------------------------------------------------------------- child
+
+
+class _CountingRedis(Redis):
+    """Counts the requests the locks send (round trips; a script is one request,
+    however many commands it runs on the server). PubSub pushes are not requests."""
+
+    requests = 0
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        _CountingRedis.requests += 1
+        # redis-py leaves execute_command unannotated.
+        return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+
+
+async def _child(job: dict[str, Any]) -> None:
+    cls = Lock if job["cls"] == "dedup" else RedisLock
+    redis = _CountingRedis.from_url(job["url"])
+    try:
+        print("READY", flush=True)
+        await asyncio.to_thread(sys.stdin.readline)
+        stop_at = time.monotonic() + job["seconds"]
+        waits: list[float] = []
+
+        async def worker(index: int) -> None:
+            name = f"bench:{index % job['names']}"
+            lock = cls(redis, name, **job["options"])
+            while True:
+                left = stop_at - time.monotonic()
+                if left <= 0:
+                    return
+                started = time.monotonic()
+                if not await lock.acquire(blocking_timeout=left):
+                    return
+                waits.append(time.monotonic() - started)
+                if job["hold_ms"]:
+                    await asyncio.sleep(job["hold_ms"] / 1000)
+                await lock.release()
+
+        _CountingRedis.requests = 0
+        await asyncio.gather(*(worker(i) for i in range(job["tasks"])))
+        print(json.dumps({"waits": waits, "requests": _CountingRedis.requests}), flush=True)
+    finally:
+        await redis.aclose()
+
+
+# --------------------------------------------------------------------------- parent
+
+
+def _commands(url: str) -> int:
+    client = SyncRedis.from_url(url)
+    try:
+        stats: dict[str, Any] = client.info("stats")
+        return int(stats["total_commands_processed"])
+    finally:
+        client.close()
+
+
+def _run_variant(
+    url: str, args: argparse.Namespace, cls: str, options: dict[str, Any]
+) -> dict[str, Any]:
+    job = {
+        "url": url,
+        "cls": cls,
+        "options": options,
+        "seconds": args.seconds,
+        "tasks": args.tasks,
+        "names": args.names,
+        "hold_ms": args.hold_ms,
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--child", json.dumps(job)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(args.processes)
+    ]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            if proc.stdout.readline().strip() != "READY":
+                raise RuntimeError(f"a benchmark child failed to start ({cls})")
+        before = _commands(url)
+        started = time.monotonic()
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        waits: list[float] = []
+        requests = 0
+        for proc in procs:
+            out, _ = proc.communicate(timeout=args.seconds + START_TIMEOUT_S)
+            if proc.returncode != 0:
+                raise RuntimeError(f"a benchmark child exited with {proc.returncode}")
+            result = json.loads(out.strip().splitlines()[-1])
+            waits += result["waits"]
+            requests += result["requests"]
+        elapsed = time.monotonic() - started
+        commands = _commands(url) - before
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    count = len(waits)
+    cuts = statistics.quantiles(waits, n=100) if count >= 2 else [0.0] * 99
+    return {
+        "count": count,
+        "per_s": count / elapsed,
+        "requests_per_acquire": requests / count if count else float("nan"),
+        "commands_per_acquire": commands / count if count else float("nan"),
+        "p50_ms": cuts[49] * 1000,
+        "p99_ms": cuts[98] * 1000,
+    }
+
+
+def _table(rows: list[tuple[str, dict[str, Any]]]) -> str:
+    head = (
+        f"{'lock':<36} {'acquire+release/s':>18} {'requests/acq':>13} {'server cmds/acq':>16} "
+        f"{'wait p50':>10} {'wait p99':>10}"
+    )
+    lines = [head, "-" * len(head)]
+    for label, res in rows:
+        lines.append(
+            f"{label:<36} {res['per_s']:>18,.0f} {res['requests_per_acquire']:>13.1f} "
+            f"{res['commands_per_acquire']:>16.1f} {res['p50_ms']:>8.1f}ms {res['p99_ms']:>8.1f}ms"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Parse the arguments; run every variant on a private redis-server; print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--processes", type=int, default=4, help="OS processes (default 4)")
+    parser.add_argument("--tasks", type=int, default=4, help="asyncio tasks per process (4)")
+    parser.add_argument("--seconds", type=float, default=3.0, help="duration per variant (3)")
+    parser.add_argument("--names", type=int, default=1, help="distinct lock names (1)")
+    parser.add_argument("--hold-ms", type=float, default=0.0, help="time held per acquire (0)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        asyncio.run(_child(json.loads(args.child)))
+        return
+    command = shlex.join([sys.executable, *sys.argv])
+    rows: list[tuple[str, dict[str, Any]]] = []
+    with RedisServer() as server:
+        for label, cls, options in VARIANTS:
+            rows.append((label, _run_variant(server.url, args, cls, options)))
+    print(
+        f"{args.processes} processes x {args.tasks} tasks on {args.names} lock name(s), "
+        f"{args.seconds:g} s per variant, hold {args.hold_ms:g} ms"
+    )
+    print(_table(rows))
+    print(f"command: {command}")
+
+
+if __name__ == "__main__":
+    main()

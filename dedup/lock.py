@@ -1,0 +1,923 @@
+"""Locks on Redis: a drop-in for redis-py's asyncio ``Lock``, with what it lacks.
+
+:class:`Lock` takes the constructor arguments and has the methods of
+:class:`redis.asyncio.lock.Lock` (it is a subclass, so ``redis.lock(name,
+lock_class=Lock)`` works and type-checks), keeps the key a plain string holding
+the token, and raises redis-py's ``LockError`` / ``LockNotOwnedError`` (as
+:class:`dedup.errors.LockError` / :class:`dedup.errors.LockNotOwned`). On top:
+
+* the token belongs to the Lock object, never to thread-local storage, which every
+  asyncio task of a thread shares anyway;
+* a cancelled ``acquire()`` or ``release()`` never leaves the lock held forever and
+  never forgets a token that still holds it (the server call is shielded and its
+  outcome is settled when it arrives);
+* ``watchdog=True``: the lease is renewed every third of ``timeout`` while the
+  holding task lives; it stops on release, when that task ends, after
+  ``watchdog_cap_s``, or when a renewal fails, and ``lock.lost`` is then set;
+* ``reentrant=True``: the same task may acquire again, through this object or any
+  other Lock of the same name; the key is then a hash ``owner, count, fence`` and
+  the lock is free when the count is back to zero;
+* ``lock.fence``: a number strictly greater than every fence handed out before for
+  this name, for the protected resource to reject a late writer with
+  :func:`check_fence` (PostgreSQL) or :func:`fenced_set` (Redis);
+* waiting without hammering Redis: a release publishes the lock's name on one
+  channel, each client (connection pool) holds one subscription for all its
+  waiters, and a waiter also wakes when the holder's lease runs out; polling every
+  ``sleep`` (jittered) stays as the fallback.
+
+Fences: ``max(last fence + 1, server time in microseconds)``, computed by the
+acquire script from ``TIME``. The last fence is kept in ``<name>:fence`` for
+``fence_memory_s`` only (no key per name lives forever): the clock part keeps
+fences growing after that key expired or Redis restarted empty, the counter part
+keeps them growing if the server's clock steps back by less than that memory.
+
+:class:`Redlock` (multi-master) lives in :mod:`dedup.redlock` and is re-exported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import secrets
+import weakref
+from collections.abc import Callable, Coroutine, Sequence
+from types import SimpleNamespace, TracebackType
+from typing import Any, Literal, Protocol, Self
+
+from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.lock import Lock as RedisLock
+from redis.crc import key_slot
+from redis.exceptions import LockError as RedisLockError
+from redis.exceptions import RedisError
+
+from dedup.errors import InvalidInput, LockError, LockNotOwned, StaleFence
+from dedup.redlock import Redlock
+from dedup.scripts import Script
+
+__all__ = [
+    "ACQUIRE",
+    "ACQUIRE_REENTRANT",
+    "DEFAULT_FENCE_MEMORY_S",
+    "EXTEND",
+    "FENCED_SET",
+    "FENCE_CHECK_SQL",
+    "OWNER",
+    "REACQUIRE",
+    "RELEASE",
+    "RELEASE_CHANNEL",
+    "Lock",
+    "Redlock",
+    "check_fence",
+    "fenced_set",
+]
+
+logger = logging.getLogger(__name__)
+
+RELEASE_CHANNEL = b"dedup:lock:released"
+"""The one channel on which every release publishes the name of the lock it freed."""
+
+DEFAULT_FENCE_MEMORY_S = 60.0
+"""How long the last fence of a name is remembered after its last grant."""
+
+# ------------------------------------------------------------------------------ Lua
+
+# Who holds a lock key: the string's value, or the hash's ``owner`` field.
+_OWNER_OF = """
+local function owner_of(key)
+  local kind = redis.call('TYPE', key).ok
+  if kind == 'string' then return redis.call('GET', key) end
+  if kind == 'hash' then return redis.call('HGET', key, 'owner') end
+  return false
+end
+"""
+
+# The next fence of KEYS[2]: above the last one remembered and at least the server
+# time in microseconds (exact in a Lua double up to 2^53, i.e. until year 2255).
+# '%.0f' because tostring() would write 1.7e+15.
+_NEXT_FENCE = """
+local now = redis.call('TIME')
+local fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+if fence <= last then fence = last + 1 end
+redis.call('SET', KEYS[2], string.format('%.0f', fence), 'PX', ARGV[3])
+"""
+
+ACQUIRE = (
+    """
+-- KEYS[1]: the lock (a string holding the token); KEYS[2]: its fence counter
+-- ARGV[1]: the token; ARGV[2]: the lease in ms, 0 = no expiry;
+--   ARGV[3]: how long the fence counter outlives this grant, in ms
+-- Returns: {1, fence} when the lock was free and is now held by the token;
+--   {0, pttl} when it is held (pttl -1: the holder's lease has no expiry)
+local ok
+if ARGV[2] == '0' then
+  ok = redis.call('SET', KEYS[1], ARGV[1], 'NX')
+else
+  ok = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
+end
+if not ok then return {0, redis.call('PTTL', KEYS[1])} end
+"""
+    + _NEXT_FENCE
+    + """
+return {1, fence}
+"""
+)
+
+ACQUIRE_REENTRANT = (
+    """
+-- KEYS[1]: the lock (a hash: owner, count, fence); KEYS[2]: its fence counter
+-- ARGV[1]: the owner (one token per task); ARGV[2]: the lease in ms, 0 = no expiry;
+--   ARGV[3]: how long the fence counter outlives this grant, in ms
+-- Returns: {1, fence, count} when the owner holds it now (count 1: a new grant, the
+--   fence is new; count > 1: a re-entry, the fence is the grant's);
+--   {0, pttl, 0} when another owner holds it (pttl -1: no expiry)
+local kind = redis.call('TYPE', KEYS[1]).ok
+if kind == 'hash' and redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  local n = redis.call('HINCRBY', KEYS[1], 'count', 1)
+  -- A re-entry never shortens the lease, nor gives an endless hold an expiry.
+  local left = redis.call('PTTL', KEYS[1])
+  if ARGV[2] ~= '0' and left >= 0 and left < tonumber(ARGV[2]) then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  end
+  return {1, tonumber(redis.call('HGET', KEYS[1], 'fence')), n}
+end
+if kind ~= 'none' then return {0, redis.call('PTTL', KEYS[1]), 0} end
+"""
+    + _NEXT_FENCE
+    + """
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'count', 1, 'fence', string.format('%.0f', fence))
+if ARGV[2] ~= '0' then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return {1, fence, 1}
+"""
+)
+
+RELEASE = """
+-- KEYS[1]: the lock (string or reentrant hash)
+-- ARGV[1]: the token; ARGV[2]: the release channel
+-- Returns: -1 when the token does not hold the lock; otherwise the holds left:
+--   0 = the lock is free now (deleted, and its name published on ARGV[2] so that
+--   waiters wake), n > 0 = a reentrant owner still holds it n times
+local kind = redis.call('TYPE', KEYS[1]).ok
+local left = 0
+if kind == 'string' then
+  if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+elseif kind == 'hash' then
+  if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return -1 end
+  left = redis.call('HINCRBY', KEYS[1], 'count', -1)
+else
+  return -1
+end
+if left > 0 then return left end
+redis.call('DEL', KEYS[1])
+redis.call('PUBLISH', ARGV[2], KEYS[1])
+return 0
+"""
+
+EXTEND = (
+    """
+-- KEYS[1]: the lock
+-- ARGV[1]: the token; ARGV[2]: milliseconds; ARGV[3]: '1' = the TTL becomes ARGV[2],
+--   '0' = ARGV[2] is added to the TTL left
+-- Returns: 1 when extended; 0 when the token does not hold the lock or it has no TTL
+"""
+    + _OWNER_OF
+    + """
+if owner_of(KEYS[1]) ~= ARGV[1] then return 0 end
+local left = redis.call('PTTL', KEYS[1])
+if left < 0 then return 0 end
+local ttl = tonumber(ARGV[2])
+if ARGV[3] == '0' then ttl = ttl + left end
+redis.call('PEXPIRE', KEYS[1], ttl)
+return 1
+"""
+)
+
+REACQUIRE = (
+    """
+-- KEYS[1]: the lock
+-- ARGV[1]: the token; ARGV[2]: the lease in ms
+-- Returns: 1 when the TTL is reset to ARGV[2]; 0 when the token does not hold the lock
+"""
+    + _OWNER_OF
+    + """
+if owner_of(KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+)
+
+OWNER = (
+    """
+-- KEYS[1]: the lock
+-- ARGV: none
+-- Returns: the token holding the lock (string value or hash owner), or nil
+"""
+    + _OWNER_OF
+    + """
+return owner_of(KEYS[1])
+"""
+)
+
+FENCED_SET = """
+-- KEYS[1]: the protected key, a hash: value, fence
+-- ARGV[1]: the value to write; ARGV[2]: the writer's fence
+-- Returns: 1 = written; 0 = rejected, the key carries a higher fence (a newer
+--   holder wrote since: this writer's lock had expired)
+local seen = redis.call('HGET', KEYS[1], 'fence')
+if seen and tonumber(seen) > tonumber(ARGV[2]) then return 0 end
+redis.call('HSET', KEYS[1], 'value', ARGV[1], 'fence', ARGV[2])
+return 1
+"""
+
+_ACQUIRE, _ACQUIRE_REENTRANT = Script(ACQUIRE), Script(ACQUIRE_REENTRANT)
+_RELEASE, _EXTEND, _REACQUIRE = Script(RELEASE), Script(EXTEND), Script(REACQUIRE)
+_OWNER, _FENCED_SET = Script(OWNER), Script(FENCED_SET)
+
+# ------------------------------------------------------------------------------ SQL
+
+FENCE_CHECK_SQL = """
+INSERT INTO lock_fences (resource, fence) VALUES ($1, $2)
+ON CONFLICT (resource) DO UPDATE SET fence = EXCLUDED.fence
+    WHERE lock_fences.fence <= EXCLUDED.fence
+RETURNING fence
+"""
+"""Records fence ``$2`` for resource ``$1`` unless a higher one is recorded; returns a
+row only when accepted. The conflicting row stays locked until the transaction ends,
+so writers of one resource pass one at a time. The application owns the table::
+
+    CREATE TABLE lock_fences (resource text PRIMARY KEY, fence bigint NOT NULL);
+"""
+
+
+class _Connection(Protocol):
+    """What :func:`check_fence` needs of an asyncpg connection (or pool proxy)."""
+
+    async def fetchval(self, query: str, *args: Any) -> Any:
+        """Run ``query``; the first column of its first row."""
+
+    def is_in_transaction(self) -> bool:
+        """True inside ``conn.transaction()``."""
+
+
+async def check_fence(conn: _Connection, resource: str, fence: int) -> None:
+    """Let the write that follows in this transaction through only if ``fence`` is
+    not lower than any fence already accepted for ``resource``.
+
+    Run it first inside the transaction of the write it guards; an equal fence is
+    accepted (the same holder writing twice). Raises
+    :class:`~dedup.errors.StaleFence` when a newer holder wrote since: roll back.
+    """
+    if not conn.is_in_transaction():
+        raise InvalidInput(
+            "check_fence must run inside the transaction of the write it guards", field="conn"
+        )
+    if await conn.fetchval(FENCE_CHECK_SQL, resource, fence) is None:
+        raise StaleFence(
+            f"fence {fence} for {resource!r} is stale: a newer lock holder wrote since",
+            resource=resource,
+            fence=fence,
+        )
+
+
+async def fenced_set(
+    client: Redis | RedisCluster, key: str | bytes, value: str | bytes, fence: int
+) -> None:
+    """Set ``value`` in the hash ``key`` (fields ``value`` and ``fence``) unless it
+    carries a higher fence; raises :class:`~dedup.errors.StaleFence` if it does."""
+    raw_key = key.encode() if isinstance(key, str) else key
+    written, _ = await _FENCED_SET(client, [raw_key], [value, fence])
+    if written != 1:
+        name = raw_key.decode(errors="replace")
+        raise StaleFence(
+            f"fence {fence} for {name!r} is stale: a newer lock holder wrote since",
+            resource=name,
+            fence=fence,
+        )
+
+
+# ------------------------------------------------------------------ release signals
+
+# How often the subscription's reader looks up from the socket, and how long it
+# stays subscribed without waiters (so that a burst of short waits shares one).
+_LISTEN_POLL_S = 0.25
+_LINGER_S = 2.0
+# How long a first waiter waits for the subscription to be confirmed before it
+# falls back to polling.
+_READY_TIMEOUT_S = 1.0
+
+
+class _Waiter:
+    """One waiting acquire: its flag is set by a release signal and consumed by wait()."""
+
+    __slots__ = ("event", "key")
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.event = asyncio.Event()
+
+    async def wait(self, timeout_s: float) -> None:
+        if timeout_s > 0 and not self.event.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await self.event.wait()
+        # Consumed before the next attempt: a signal arriving during that attempt
+        # sets it again, so it is never lost.
+        self.event.clear()
+
+
+class _ReleaseListener:
+    """One subscription to :data:`RELEASE_CHANNEL` per connection pool and event loop,
+    shared by every waiter of that client whatever the lock.
+
+    A release message wakes one waiter of that lock in this process (the longest
+    waiting one), not all of them: the others would only lose the race again.
+    The reader task ends itself after ``_LINGER_S`` without waiters, when the
+    connection fails (waiters fall back to polling; the next wait subscribes
+    again), or when the loop shuts down; it always closes its PubSub.
+    """
+
+    def __init__(self, client: Redis, pool: ConnectionPool) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.closed = False
+        self.subscribed = False
+        self._pool = pool
+        self._pubsub = client.pubsub()
+        self._waiters: dict[bytes, list[_Waiter]] = {}
+        self._count = 0
+        self._settled = asyncio.Event()  # subscribed, or dead
+        self._task = self.loop.create_task(self._run(), name="dedup-lock-release-listener")
+
+    async def register(self, key: bytes, ready_timeout_s: float) -> _Waiter:
+        """A new waiter for ``key``; waits (bounded) until the subscription is confirmed."""
+        waiter = _Waiter(key)
+        self._waiters.setdefault(key, []).append(waiter)
+        self._count += 1
+        if not self._settled.is_set() and ready_timeout_s > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ready_timeout_s):
+                    await self._settled.wait()
+        return waiter
+
+    def unregister(self, waiter: _Waiter, *, handoff: bool) -> None:
+        """Forget ``waiter``; with ``handoff``, pass an unconsumed signal to the next one."""
+        waiters = self._waiters.get(waiter.key)
+        if waiters is not None and waiter in waiters:
+            waiters.remove(waiter)
+            self._count -= 1
+            if not waiters:
+                del self._waiters[waiter.key]
+        if handoff and waiter.event.is_set():
+            self._wake(waiter.key)
+
+    def _wake(self, key: bytes) -> None:
+        for waiter in self._waiters.get(key, ()):
+            if not waiter.event.is_set():
+                waiter.event.set()
+                return
+
+    async def _run(self) -> None:
+        idle_since: float | None = None
+        try:
+            await self._pubsub.subscribe(RELEASE_CHANNEL)
+            while True:
+                message = await self._pubsub.get_message(timeout=_LISTEN_POLL_S)
+                if message is not None:
+                    if message["type"] == "subscribe":
+                        self.subscribed = True
+                        self._settled.set()
+                    elif message["type"] == "message":
+                        data = message["data"]
+                        self._wake(data.encode() if isinstance(data, str) else data)
+                if self._count:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = self.loop.time()
+                elif self.loop.time() - idle_since >= _LINGER_S:
+                    return
+        except Exception as exc:  # the connection failed: waiters poll meanwhile
+            logger.debug("lock release listener stopped: %r", exc)
+        finally:
+            self.closed = True
+            self.subscribed = False
+            self._settled.set()
+            if _LISTENERS.get(self._pool) is self:
+                del _LISTENERS[self._pool]
+            for waiters in self._waiters.values():
+                for waiter in waiters:
+                    waiter.event.set()  # try once more now, then poll
+            try:
+                # redis-py leaves PubSub.aclose unannotated.
+                await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+            except Exception as exc:  # closing a failed connection: nothing to keep
+                logger.debug("closing the lock release listener failed: %r", exc)
+
+
+_LISTENERS: weakref.WeakKeyDictionary[ConnectionPool, _ReleaseListener] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _listener_for(client: Redis | RedisCluster, *, create: bool) -> _ReleaseListener | None:
+    """The live release listener of ``client``'s pool on this loop (made if ``create``).
+
+    None for Redis Cluster clients, which wait by polling.
+    """
+    if not isinstance(client, Redis):
+        return None
+    pool = client.connection_pool
+    listener = _LISTENERS.get(pool)
+    loop = asyncio.get_running_loop()
+    if listener is not None and (listener.closed or listener.loop is not loop):
+        listener = None
+    if listener is None and create:
+        listener = _ReleaseListener(client, pool)
+        _LISTENERS[pool] = listener
+    return listener
+
+
+# ---------------------------------------------------------------------------- tokens
+
+_TASK_TOKENS: weakref.WeakKeyDictionary[asyncio.Task[Any], bytes] = weakref.WeakKeyDictionary()
+
+
+def _new_token() -> bytes:
+    return secrets.token_hex(16).encode()
+
+
+def _task_token() -> bytes:
+    """The reentrant owner id of the current task: one per task, unique across processes."""
+    task = asyncio.current_task()
+    if task is None:
+        raise RuntimeError("a reentrant Lock must be acquired from an asyncio task")
+    token = _TASK_TOKENS.get(task)
+    if token is None:
+        token = _TASK_TOKENS[task] = _new_token()
+    return token
+
+
+def _fence_key(key: bytes) -> bytes:
+    """The fence counter's key, in the lock's hash slot so that one script may touch
+    both on Redis Cluster: ``<key>:fence`` if the key has a hash tag, else ``{<key>}:fence``."""
+    slot = key_slot(key)
+    for candidate in (key + b":fence", b"{" + key + b"}:fence"):
+        if key_slot(candidate) == slot:
+            return candidate
+    return key + b":fence"  # a key with an empty tag ("{}"): one slot is not possible
+
+
+# ------------------------------------------------------------------------------ Lock
+
+
+class Lock(RedisLock):
+    """A lock on one Redis, a drop-in for :class:`redis.asyncio.lock.Lock`.
+
+    The positional and keyword arguments are redis-py's: ``redis``, ``name``,
+    ``timeout`` (lease in seconds, None: none), ``sleep`` (the longest wait between
+    attempts), ``blocking``, ``blocking_timeout``, ``thread_local`` (accepted and
+    ignored: the token always belongs to this object) and
+    ``raise_on_release_error``. The keyword-only arguments add:
+
+    * ``watchdog``: renew the lease (``timeout``, required) every third of it
+      while the task that acquired it lives;
+    * ``watchdog_cap_s``: stop renewing this long after the grant (None: never);
+    * ``reentrant``: the same task may acquire again (a hash of counts);
+    * ``fence_memory_s``: how long the last fence of this name is remembered;
+    * ``release_signal``: wake waiters on release (False: poll only).
+
+    After a successful acquire, ``fence`` is the grant's fencing token and
+    ``lost`` (an :class:`asyncio.Event`) is set if the lock is found lost while
+    held: a renewal, extension or release found another token, a renewal kept
+    failing until the lease ended, or the watchdog's cap let the lease run out.
+    The lease's end is judged by the local clock from before the grant was sent,
+    so ``lost`` may come a moment before Redis drops the key, never after.
+
+    Unlike redis-py's, a blocked ``acquire()`` may wait up to the whole
+    ``blocking_timeout`` even when ``sleep`` is longer, since a release wakes it.
+    """
+
+    # The token lives in a plain namespace, never in thread-local storage.
+    local: SimpleNamespace
+
+    def __init__(
+        self,
+        redis: Redis | RedisCluster,
+        name: str | bytes | memoryview,
+        timeout: float | None = None,
+        sleep: float = 0.1,
+        blocking: bool = True,
+        blocking_timeout: float | None = None,
+        thread_local: bool = True,
+        raise_on_release_error: bool = True,
+        *,
+        watchdog: bool = False,
+        watchdog_cap_s: float | None = None,
+        reentrant: bool = False,
+        fence_memory_s: float = DEFAULT_FENCE_MEMORY_S,
+        release_signal: bool = True,
+    ) -> None:
+        # RedisLock.__init__ is not called: it would put the token in thread-local
+        # storage and register its own scripts; every method is overridden here.
+        if watchdog and not timeout:
+            raise ValueError("a watchdog needs a timeout: the lease it renews")
+        if fence_memory_s <= 0:
+            raise ValueError("fence_memory_s must be positive")
+        self.redis = redis
+        self.name = name
+        self.timeout = timeout
+        self.sleep = sleep
+        self.blocking = blocking
+        self.blocking_timeout = blocking_timeout
+        self.thread_local = bool(thread_local)
+        self.raise_on_release_error = raise_on_release_error
+        self.local = SimpleNamespace(token=None)
+        self.watchdog = watchdog
+        self.watchdog_cap_s = watchdog_cap_s
+        self.reentrant = reentrant
+        self.fence_memory_s = fence_memory_s
+        self.release_signal = release_signal
+        self.fence: int | None = None
+        self.lost = asyncio.Event()
+        self._key = self._encode(name)
+        self._fence_key = _fence_key(self._key)
+        # At least 1 ms: 0 means "no expiry" to the scripts.
+        self._lease_ms = max(1, int(timeout * 1000)) if timeout else 0
+        self._depth = 0  # holds through this object (reentrant: per acquire)
+        self._watchdog_task: asyncio.Task[None] | None = None
+        self._holder_callback: tuple[asyncio.Task[Any], Callable[[asyncio.Task[Any]], None]] | None
+        self._holder_callback = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def register_scripts(self) -> None:
+        """Nothing to register: the scripts are called by SHA and loaded on NOSCRIPT."""
+
+    async def settled(self) -> None:
+        """Wait until the server calls this object left running have finished: a
+        release whose caller was cancelled, or the undoing of a grant that a
+        cancelled or failed ``acquire()`` may have received."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    # ---------------------------------------------------------------- helpers
+    def _encode(self, value: str | bytes | memoryview) -> bytes:
+        if isinstance(value, memoryview):
+            return bytes(value)
+        if isinstance(value, bytes):
+            return value
+        # As the client's encoder would, without its untyped API.
+        kwargs: dict[str, Any] = {}
+        if isinstance(self.redis, Redis):
+            kwargs = self.redis.connection_pool.connection_kwargs
+        encoding = kwargs.get("encoding", "utf-8")
+        return value.encode(encoding, kwargs.get("encoding_errors", "strict"))
+
+    def _lock_name(self) -> str:
+        return self._key.decode(errors="replace")
+
+    async def _eval(self, script: Script, keys: Sequence[bytes], args: Sequence[Any]) -> Any:
+        result, _ = await script(self.redis, keys, args)
+        return result
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], what: str) -> None:
+        """Run ``coro`` in the background, keeping a reference; its failure is logged."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._background.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                logger.warning("lock %r: %s failed: %r", self._lock_name(), what, t.exception())
+
+        task.add_done_callback(done)
+
+    def _stop_watchdog(self) -> None:
+        if self._watchdog_task is not None:
+            self._watchdog_task.cancel()
+            self._watchdog_task = None
+        if self._holder_callback is not None:
+            # A long-lived holder task (a server's main loop, say) would otherwise
+            # collect one callback per hold.
+            holder, callback = self._holder_callback
+            holder.remove_done_callback(callback)
+            self._holder_callback = None
+
+    def _clear(self) -> None:
+        self._stop_watchdog()
+        self.local.token = None
+        self.fence = None
+        self._depth = 0
+
+    def _mark_lost(self, token: bytes) -> None:
+        if self.local.token == token:
+            self.lost.set()
+
+    # ---------------------------------------------------------------- acquire
+    async def _try(self, token: bytes) -> tuple[bool, int]:
+        """One attempt: (True, fence) when granted, else (False, the holder's pttl)."""
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        script = _ACQUIRE_REENTRANT if self.reentrant else _ACQUIRE
+        args = [token, self._lease_ms, math.ceil(self.fence_memory_s * 1000)]
+        call = asyncio.ensure_future(self._eval(script, [self._key, self._fence_key], args))
+        try:
+            reply = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The attempt goes on without us: give back whatever it is granted.
+            if not call.done():
+                self._background.add(call)
+                call.add_done_callback(self._background.discard)
+            call.add_done_callback(lambda fut: self._undo_orphan(token, fut))
+            raise
+        except BaseException:
+            # The answer was lost; the lock may be ours without our knowing.
+            self._drop_unknown(token)
+            raise
+        if reply[0] != 1:
+            return False, int(reply[1])
+        self._granted(token, int(reply[1]), sent)
+        return True, int(reply[1])
+
+    def _undo_orphan(self, token: bytes, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled():
+            return
+        if fut.exception() is not None:
+            self._drop_unknown(token)
+        elif fut.result()[0] == 1:
+            # Exactly this grant: a new lock is deleted, a re-entry is decremented.
+            self._spawn(self._eval(_RELEASE, [self._key], [token, RELEASE_CHANNEL]), "undo")
+
+    def _drop_unknown(self, token: bytes) -> None:
+        """Delete the lock if an attempt whose outcome is unknown got it.
+
+        Only for plain locks with a token of their own: a reentrant owner's count
+        cannot be corrected without knowing whether it was incremented (its lease
+        bounds the damage), and a token this object holds is not an orphan.
+        """
+        if not self.reentrant and token != self.local.token:
+            self._spawn(self._eval(_RELEASE, [self._key], [token, RELEASE_CHANNEL]), "cleanup")
+
+    def _granted(self, token: bytes, fence: int, sent: float) -> None:
+        if self.reentrant and self._depth > 0 and token == self.local.token:
+            self._depth += 1
+            return
+        # A previous hold through this object that was never released is over.
+        self._stop_watchdog()
+        self.local.token = token
+        self.fence = fence
+        self._depth = 1
+        self.lost.clear()
+        if self.watchdog:
+            watchdog = asyncio.ensure_future(self._watch(token, sent))
+            self._watchdog_task = watchdog
+            holder = asyncio.current_task()
+            if holder is not None:
+
+                def holder_done(_: asyncio.Task[Any]) -> None:
+                    watchdog.cancel()
+
+                holder.add_done_callback(holder_done)
+                self._holder_callback = (holder, holder_done)
+
+    async def do_acquire(self, token: str | bytes) -> bool:
+        """One attempt with ``token`` (redis-py's hook); True when granted."""
+        got, _ = await self._try(self._encode(token))
+        return got
+
+    async def acquire(
+        self,
+        blocking: bool | None = None,
+        blocking_timeout: float | None = None,
+        token: str | bytes | None = None,
+    ) -> bool:
+        """Take the lock; True once held, False if not within ``blocking_timeout``
+        (or at once when not ``blocking``).
+
+        ``token``: the value to hold the lock with (default: a random one; a
+        reentrant lock uses one per task). While blocked, the attempt is repeated
+        when a release of this lock is signalled, when the holder's lease runs out,
+        and at the latest every ``sleep`` seconds (jittered by ±50%).
+        """
+        if token is not None:
+            raw = self._encode(token)
+        else:
+            raw = _task_token() if self.reentrant else _new_token()
+        if blocking is None:
+            blocking = self.blocking
+        if blocking_timeout is None:
+            blocking_timeout = self.blocking_timeout
+        loop = asyncio.get_running_loop()
+        deadline = None if blocking_timeout is None else loop.time() + blocking_timeout
+        listener: _ReleaseListener | None = None
+        waiter: _Waiter | None = None
+        acquired = False
+        try:
+            if blocking and self.release_signal:
+                # A live subscription costs nothing to join: join before the first
+                # attempt so that no release after it goes unnoticed.
+                listener = _listener_for(self.redis, create=False)
+                if listener is not None and listener.subscribed:
+                    waiter = await listener.register(self._key, 0)
+                else:
+                    listener = None
+            while True:
+                acquired, pttl = await self._try(raw)
+                if acquired or not blocking:
+                    return acquired
+                left = math.inf if deadline is None else deadline - loop.time()
+                if left <= 0:
+                    return False
+                if self.release_signal and (listener is None or listener.closed):
+                    if listener is not None and waiter is not None:
+                        listener.unregister(waiter, handoff=False)
+                    listener = _listener_for(self.redis, create=True)
+                    waiter = None
+                    if listener is not None:
+                        waiter = await listener.register(self._key, min(_READY_TIMEOUT_S, left))
+                        if listener.subscribed:
+                            # A release between the failed attempt and the
+                            # subscription sent a signal nobody saw: look again.
+                            continue
+                delay = self.sleep * random.uniform(0.5, 1.5)
+                if pttl > 0:
+                    # An expiry publishes nothing: wake when the holder's lease ends.
+                    delay = min(delay, pttl / 1000 + random.uniform(0, min(self.sleep, 0.05)))
+                if deadline is not None:
+                    delay = min(delay, deadline - loop.time())
+                if waiter is not None:
+                    await waiter.wait(delay)
+                else:
+                    await asyncio.sleep(delay)
+        finally:
+            if listener is not None and waiter is not None:
+                listener.unregister(waiter, handoff=not acquired)
+
+    # ---------------------------------------------------------------- release
+    async def release(self) -> None:
+        """Release the lock (one level of it, for a reentrant lock).
+
+        Raises :class:`~dedup.errors.LockError` when this object does not hold it and
+        :class:`~dedup.errors.LockNotOwned` when its token no longer holds it in
+        Redis (the token is cleared then). If the call is cancelled, the release
+        goes on and settles this object when Redis answers; if it fails (Redis
+        unreachable) the token is kept, so that ``release()`` can be called again,
+        and the watchdog is stopped already, so that the lease runs out anyway.
+        """
+        token = self.local.token
+        if token is None:
+            raise LockError(
+                "Cannot release a lock that's not owned or is already unlocked.",
+                lock_name=self._lock_name(),
+            )
+        if self._depth <= 1:
+            # First, so that even a release that never reaches Redis ends the hold.
+            self._stop_watchdog()
+        call = asyncio.ensure_future(self._release_and_settle(token))
+        try:
+            await asyncio.shield(call)
+        except asyncio.CancelledError:
+            if not call.done():
+                self._background.add(call)
+                call.add_done_callback(self._settled_in_background)
+            raise
+
+    def _settled_in_background(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning(
+                "lock %r: release after cancellation failed: %r",
+                self._lock_name(),
+                task.exception(),
+            )
+
+    async def _release_and_settle(self, token: bytes) -> None:
+        left = int(await self._eval(_RELEASE, [self._key], [token, RELEASE_CHANNEL]))
+        if self.local.token == token:  # unless this object was acquired again meanwhile
+            if left < 0:
+                self.lost.set()
+                self._clear()
+            else:
+                self._depth -= 1
+                if self._depth <= 0:
+                    self._clear()
+        if left < 0:
+            raise LockNotOwned(
+                "Cannot release a lock that's no longer owned", lock_name=self._lock_name()
+            )
+
+    async def do_release(self, expected_token: bytes) -> None:
+        """Release with ``expected_token`` (redis-py's hook); raises
+        :class:`~dedup.errors.LockNotOwned` if it does not hold the lock."""
+        left = int(await self._eval(_RELEASE, [self._key], [expected_token, RELEASE_CHANNEL]))
+        if left < 0:
+            raise LockNotOwned(
+                "Cannot release a lock that's no longer owned", lock_name=self._lock_name()
+            )
+
+    # ------------------------------------------------------------ extend etc.
+    async def extend(self, additional_time: float, replace_ttl: bool = False) -> Literal[True]:
+        """Add ``additional_time`` seconds to the lease (or make it the lease, with
+        ``replace_ttl``). Raises :class:`~dedup.errors.LockError` when not held or
+        without a timeout, :class:`~dedup.errors.LockNotOwned` when lost."""
+        if self.local.token is None:
+            raise LockError("Cannot extend an unlocked lock", lock_name=self._lock_name())
+        if self.timeout is None:
+            raise LockError("Cannot extend a lock with no timeout", lock_name=self._lock_name())
+        return await self.do_extend(additional_time, replace_ttl)
+
+    async def do_extend(self, additional_time: float, replace_ttl: bool) -> Literal[True]:
+        """The extension itself (redis-py's hook)."""
+        token = self.local.token
+        args = [token, int(additional_time * 1000), "1" if replace_ttl else "0"]
+        if await self._eval(_EXTEND, [self._key], args) != 1:
+            self._mark_lost(token)
+            raise LockNotOwned(
+                "Cannot extend a lock that's no longer owned", lock_name=self._lock_name()
+            )
+        return True
+
+    async def reacquire(self) -> Literal[True]:
+        """Reset the lease to ``timeout``. Raises :class:`~dedup.errors.LockError`
+        when not held or without a timeout, :class:`~dedup.errors.LockNotOwned`
+        when lost."""
+        if self.local.token is None:
+            raise LockError("Cannot reacquire an unlocked lock", lock_name=self._lock_name())
+        if self.timeout is None:
+            raise LockError("Cannot reacquire a lock with no timeout", lock_name=self._lock_name())
+        return await self.do_reacquire()
+
+    async def do_reacquire(self) -> Literal[True]:
+        """The reset itself (redis-py's hook)."""
+        token = self.local.token
+        if await self._eval(_REACQUIRE, [self._key], [token, self._lease_ms]) != 1:
+            self._mark_lost(token)
+            raise LockNotOwned(
+                "Cannot reacquire a lock that's no longer owned", lock_name=self._lock_name()
+            )
+        return True
+
+    async def locked(self) -> bool:
+        """True if the lock is held by anyone."""
+        return bool(await self.redis.exists(self._key))
+
+    async def owned(self) -> bool:
+        """True if this object's token holds the lock now."""
+        stored = await self._eval(_OWNER, [self._key], [])
+        if isinstance(stored, str):
+            stored = self._encode(stored)
+        return self.local.token is not None and stored == self.local.token
+
+    # --------------------------------------------------------------- watchdog
+    async def _watch(self, token: bytes, granted_at: float) -> None:
+        """Renew every third of the lease; on failure retry sooner until the lease is
+        over; after the cap, let the lease run out. Ends by setting ``lost`` unless
+        cancelled (release, or the holding task ended)."""
+        assert self.timeout  # checked in __init__
+        loop = asyncio.get_running_loop()
+        lease_s = float(self.timeout)
+        lease_end = granted_at + lease_s
+        cap_end = None if self.watchdog_cap_s is None else granted_at + self.watchdog_cap_s
+        delay = lease_s / 3
+        while True:
+            await asyncio.sleep(delay)
+            sent = loop.time()
+            if cap_end is not None and sent >= cap_end:
+                break
+            try:
+                renewed = await self._eval(_REACQUIRE, [self._key], [token, self._lease_ms])
+            except (RedisError, OSError) as exc:
+                logger.debug("lock %r: renewal failed: %r", self._lock_name(), exc)
+                renewed = None
+            if renewed == 1:
+                lease_end = sent + lease_s
+                delay = lease_s / 3
+                continue
+            if renewed == 0 or loop.time() >= lease_end:
+                self._mark_lost(token)
+                return
+            delay = min(lease_s / 12, max(0.0, lease_end - loop.time()))
+        await asyncio.sleep(max(0.0, lease_end - loop.time()))
+        self._mark_lost(token)
+
+    # -------------------------------------------------------- context manager
+    async def __aenter__(self) -> Self:
+        if await self.acquire():
+            return self
+        raise LockError(
+            "Unable to acquire lock within the time specified", lock_name=self._lock_name()
+        )
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            await self.release()
+        except RedisLockError:  # dedup's lock errors are subclasses
+            if self.raise_on_release_error:
+                raise
+            logger.warning("Lock was unlocked or no longer owned when exiting context manager.")

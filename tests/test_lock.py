@@ -1,0 +1,799 @@
+"""dedup.lock.Lock on real redis-servers: drop-in behaviour (side by side with redis-py's
+Lock), watchdog, reentrancy, fencing, release-signalled waiting, cancellation, and
+contention from several OS processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from redis.asyncio import Redis
+from redis.asyncio.lock import Lock as RedisLock
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.exceptions import ConnectionError, LockError, LockNotOwnedError
+
+import dedup.errors
+from dedup.errors import InvalidInput, StaleFence
+from dedup.lock import RELEASE_CHANNEL, Lock, _fence_key, check_fence, fenced_set
+from tests.lock_child import write_fenced
+from tests.servers import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+DEADLINE_S = 30.0
+
+LEDGER_DDL = """
+CREATE TABLE lock_fences (resource text PRIMARY KEY, fence bigint NOT NULL);
+CREATE TABLE ledger (resource text PRIMARY KEY, writer text NOT NULL, fence bigint NOT NULL);
+"""
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+async def r(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
+async def r_decoded(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url, decode_responses=True)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    """Wait (bounded) until ``check()`` is true."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {DEADLINE_S}s: {what}")
+        await asyncio.sleep(0.02)
+
+
+def restartable(url: str, **kwargs: Any) -> Redis:
+    """A client whose next command after a server restart reconnects instead of failing."""
+    return Redis.from_url(
+        url, retry=Retry(NoBackoff(), 3), retry_on_error=[ConnectionError], **kwargs
+    )
+
+
+async def _is(value: Awaitable[int], expected: int) -> bool:
+    return await value == expected
+
+
+async def _not(value: Awaitable[bool]) -> bool:
+    return not await value
+
+
+async def subscribers(client: Redis) -> int:
+    ((_, n),) = await client.pubsub_numsub(RELEASE_CHANNEL)
+    return int(n)
+
+
+# --------------------------------------------------- drop-in: redis-py's behaviours
+# Each behaviour below is one that redis-py's own async lock tests check; both
+# classes must show it, through redis.lock(name, lock_class=...).
+
+
+@pytest.fixture(params=[RedisLock, Lock], ids=["redis-py", "dedup"])
+def lock_class(request: pytest.FixtureRequest) -> type[RedisLock]:
+    cls: type[RedisLock] = request.param
+    return cls
+
+
+def make(client: Redis, cls: type[RedisLock], name: str = "foo", **kwargs: Any) -> RedisLock:
+    return client.lock(name, lock_class=cls, **kwargs)
+
+
+async def test_key_holds_the_token_as_a_plain_string(r: Redis, lock_class: type[RedisLock]) -> None:
+    lock = make(r, lock_class)
+    assert await lock.acquire(blocking=False)
+    assert await r.type("foo") == b"string"
+    assert await r.get("foo") == lock.local.token
+    assert await r.ttl("foo") == -1
+    await lock.release()
+    assert await r.get("foo") is None
+
+
+@pytest.mark.parametrize("thread_local", [True, False])
+async def test_given_token(r: Redis, lock_class: type[RedisLock], thread_local: bool) -> None:
+    lock = make(r, lock_class, thread_local=thread_local)
+    assert await lock.acquire(blocking=False, token="test")
+    assert await r.get("foo") == b"test"
+    assert lock.local.token == b"test"
+    await lock.release()
+    assert await r.get("foo") is None
+    assert lock.local.token is None
+
+
+async def test_locked_and_owned(r: Redis, lock_class: type[RedisLock]) -> None:
+    one, two = make(r, lock_class), make(r, lock_class)
+    assert not await one.locked()
+    assert not await one.owned()
+    assert await one.acquire(blocking=False)
+    assert await one.locked() and await two.locked()
+    assert await one.owned() and not await two.owned()
+    await one.release()
+    assert not await one.locked() and not await one.owned()
+    assert await two.acquire(blocking=False)
+    assert not await one.owned() and await two.owned()
+    await two.release()
+
+
+async def test_owned_with_decoded_responses(r_decoded: Redis, lock_class: type[RedisLock]) -> None:
+    lock = make(r_decoded, lock_class)
+    assert await lock.acquire(blocking=False)
+    assert await lock.owned()
+    await lock.release()
+    assert not await lock.owned()
+
+
+async def test_competing_locks(r: Redis, lock_class: type[RedisLock]) -> None:
+    one, two = make(r, lock_class), make(r, lock_class)
+    assert await one.acquire(blocking=False)
+    assert not await two.acquire(blocking=False)
+    await one.release()
+    assert await two.acquire(blocking=False)
+    assert not await one.acquire(blocking=False)
+    await two.release()
+
+
+@pytest.mark.parametrize("timeout", [10, 9.5])
+async def test_timeout_sets_the_ttl(r: Redis, lock_class: type[RedisLock], timeout: float) -> None:
+    lock = make(r, lock_class, timeout=timeout)
+    assert await lock.acquire(blocking=False)
+    assert 8000 < await r.pttl("foo") <= timeout * 1000
+    await lock.release()
+
+
+async def test_blocking_timeout_gives_up(r: Redis, lock_class: type[RedisLock]) -> None:
+    one = make(r, lock_class)
+    assert await one.acquire(blocking=False)
+    two = make(r, lock_class, sleep=0.05, blocking_timeout=0.2)
+    assert not await two.acquire()
+    assert not await make(r, lock_class, sleep=60, blocking_timeout=0.3).acquire()
+    await one.release()
+
+
+async def test_blocking_flag(r: Redis, lock_class: type[RedisLock]) -> None:
+    assert not make(r, lock_class, blocking=False).blocking
+    assert make(r, lock_class).blocking
+    holder = make(r, lock_class)
+    assert await holder.acquire()
+    assert not await make(r, lock_class, blocking=False).acquire()
+    await holder.release()
+
+
+async def test_context_manager(r: Redis, lock_class: type[RedisLock]) -> None:
+    async with make(r, lock_class, blocking_timeout=0.2) as lock:
+        assert await r.get("foo") == lock.local.token
+    assert await r.get("foo") is None
+    await r.set("foo", "bar")
+    with pytest.raises(LockError):
+        async with make(r, lock_class, blocking_timeout=0.1):
+            pass
+
+
+async def test_release_errors(r: Redis, lock_class: type[RedisLock]) -> None:
+    lock = make(r, lock_class)
+    with pytest.raises(LockError):
+        await lock.release()
+    assert await lock.acquire(blocking=False)
+    await r.set("foo", "a")  # someone else's token now
+    with pytest.raises(LockNotOwnedError):
+        await lock.release()
+    assert lock.local.token is None  # cleared even so
+
+
+async def test_context_manager_without_raise_on_release_error(
+    r: Redis, lock_class: type[RedisLock]
+) -> None:
+    async with make(r, lock_class, raise_on_release_error=False):
+        await r.set("foo", "a")
+    assert await r.get("foo") == b"a"
+
+
+@pytest.mark.parametrize("timeout", [10, 10.0])
+async def test_extend(r: Redis, lock_class: type[RedisLock], timeout: float) -> None:
+    lock = make(r, lock_class, timeout=timeout)
+    assert await lock.acquire(blocking=False)
+    assert await lock.extend(10)
+    assert 16000 < await r.pttl("foo") <= 20000
+    assert await lock.extend(10, replace_ttl=True)
+    assert 8000 < await r.pttl("foo") <= 10000
+    await lock.release()
+
+
+async def test_extend_errors(r: Redis, lock_class: type[RedisLock]) -> None:
+    with pytest.raises(LockError):
+        await make(r, lock_class, timeout=10).extend(10)
+    untimed = make(r, lock_class)
+    assert await untimed.acquire(blocking=False)
+    with pytest.raises(LockError):
+        await untimed.extend(10)
+    await untimed.release()
+    lock = make(r, lock_class, timeout=10)
+    assert await lock.acquire(blocking=False)
+    await r.set("foo", "a")
+    with pytest.raises(LockNotOwnedError):
+        await lock.extend(10)
+
+
+async def test_reacquire(r: Redis, lock_class: type[RedisLock]) -> None:
+    lock = make(r, lock_class, timeout=10)
+    assert await lock.acquire(blocking=False)
+    assert await r.pexpire("foo", 5000)
+    assert await lock.reacquire()
+    assert 8000 < await r.pttl("foo") <= 10000
+    await lock.release()
+
+
+async def test_reacquire_errors(r: Redis, lock_class: type[RedisLock]) -> None:
+    with pytest.raises(LockError):
+        await make(r, lock_class, timeout=10).reacquire()
+    untimed = make(r, lock_class)
+    assert await untimed.acquire(blocking=False)
+    with pytest.raises(LockError):
+        await untimed.reacquire()
+    await untimed.release()
+    lock = make(r, lock_class, timeout=10)
+    assert await lock.acquire(blocking=False)
+    await r.set("foo", "a")
+    with pytest.raises(LockNotOwnedError):
+        await lock.reacquire()
+
+
+async def test_release_from_another_task_through_the_same_object(
+    r: Redis, lock_class: type[RedisLock]
+) -> None:
+    lock = make(r, lock_class)
+    assert await lock.acquire(blocking=False)
+    await asyncio.create_task(lock.release())
+    assert await r.get("foo") is None
+
+
+# ------------------------------------------------------------- dedup's own promises
+
+
+def test_is_a_redis_py_lock_and_its_errors_are_dedup_errors() -> None:
+    assert issubclass(Lock, RedisLock)
+    assert issubclass(dedup.errors.LockError, LockError)
+    assert issubclass(dedup.errors.LockNotOwned, LockNotOwnedError)
+    assert issubclass(dedup.errors.LockNotOwned, dedup.errors.DedupError)
+
+
+async def test_errors_raised_are_dedup_errors(r: Redis) -> None:
+    lock = Lock(r, "foo")
+    with pytest.raises(dedup.errors.LockError):
+        await lock.release()
+    assert await lock.acquire(blocking=False)
+    await r.set("foo", "a")
+    with pytest.raises(dedup.errors.LockNotOwned):
+        await lock.release()
+
+
+async def test_token_belongs_to_the_object_not_the_thread(r: Redis) -> None:
+    lock = Lock(r, "foo", thread_local=True)
+    assert await lock.acquire(blocking=False)
+    seen: list[object] = []
+    thread = threading.Thread(target=lambda: seen.append(lock.local.token))
+    thread.start()
+    thread.join(timeout=DEADLINE_S)
+    assert seen == [lock.local.token]  # redis-py's thread-local token would read None
+    await lock.release()
+
+
+def test_import_order_has_no_cycle() -> None:
+    import dedup.lock
+    import dedup.redlock
+
+    assert dedup.lock.Redlock is dedup.redlock.Redlock
+    # Each module imported first, in a fresh interpreter.
+    for code in ("import dedup.redlock, dedup.lock", "import dedup.lock, dedup.redlock"):
+        subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=DEADLINE_S)
+
+
+# ---------------------------------------------------------------------------- fences
+
+
+async def test_fences_grow_with_every_grant(r: Redis) -> None:
+    fences: list[int] = []
+    for _ in range(5):
+        async with Lock(r, "foo") as lock:
+            assert lock.fence is not None
+            fences.append(lock.fence)
+        assert lock.fence is None  # a fence belongs to a hold
+    assert fences == sorted(fences) and len(set(fences)) == 5
+    async with Lock(r, "other") as other:
+        assert isinstance(other.fence, int)
+
+
+async def test_no_key_lives_forever(r: Redis) -> None:
+    async with Lock(r, "foo", fence_memory_s=5):
+        pass
+    keys = await r.keys("*")
+    assert keys == [b"{foo}:fence"]
+    assert 0 < await r.pttl(b"{foo}:fence") <= 5000
+
+
+async def test_fence_counter_outruns_a_clock_that_stepped_back(r: Redis) -> None:
+    async with Lock(r, "foo") as lock:
+        first = lock.fence
+    assert first is not None
+    # As if the fences so far came from a server clock far ahead of this one.
+    ahead = first + 10**12
+    await r.set(b"{foo}:fence", ahead, px=60_000)
+    async with Lock(r, "foo") as lock:
+        assert lock.fence == ahead + 1
+
+
+async def test_fences_grow_across_an_empty_restart(fresh_redis: RedisServer) -> None:
+    client = restartable(fresh_redis.url)
+    try:
+        async with Lock(client, "foo") as lock:
+            before = lock.fence
+        fresh_redis.restart()
+        assert await client.dbsize() == 0
+        async with Lock(client, "foo") as lock:
+            after = lock.fence
+        assert before is not None and after is not None and after > before
+    finally:
+        await client.aclose()
+
+
+@given(st.text(alphabet="abc:{}", min_size=1, max_size=12))
+def test_fence_key_shares_the_lock_slot_when_it_can(name: str) -> None:
+    key = name.encode()
+    fence_key = _fence_key(key)
+    start = name.find("{")
+    tagged = start >= 0 and name.find("}", start + 1) > start + 1  # Redis's hash tag rule
+    if ("{" not in name and "}" not in name) or tagged:
+        assert key_slot(fence_key) == key_slot(key)
+
+
+async def test_fenced_set_in_redis(r: Redis) -> None:
+    await fenced_set(r, "acct", "five", 5)
+    await fenced_set(r, "acct", "seven", 7)
+    with pytest.raises(StaleFence) as info:
+        await fenced_set(r, "acct", "six", 6)
+    assert info.value.fence == 6
+    await fenced_set(r, "acct", "seven again", 7)  # the same holder may write again
+    assert await r.hgetall("acct") == {b"value": b"seven again", b"fence": b"7"}
+
+
+async def test_check_fence_in_postgresql(pg_empty_url: str) -> None:
+    conn = await asyncpg.connect(pg_empty_url)
+    try:
+        await conn.execute(LEDGER_DDL)
+        for fence in (10, 12, 12):
+            async with conn.transaction():
+                await check_fence(conn, "acct", fence)
+        with pytest.raises(StaleFence):
+            async with conn.transaction():
+                await check_fence(conn, "acct", 11)
+        with pytest.raises(InvalidInput):
+            await check_fence(conn, "acct", 13)  # outside a transaction guards nothing
+        assert await conn.fetchval("SELECT fence FROM lock_fences WHERE resource = 'acct'") == 12
+    finally:
+        await conn.close()
+
+
+async def test_a_stale_writer_waits_for_the_newer_one_then_is_rejected(pg_empty_url: str) -> None:
+    newer, stale = await asyncpg.connect(pg_empty_url), await asyncpg.connect(pg_empty_url)
+    try:
+        await newer.execute(LEDGER_DDL)
+        await newer.execute("INSERT INTO lock_fences VALUES ('acct', 1)")
+        transaction = newer.transaction()
+        await transaction.start()
+        await check_fence(newer, "acct", 20)
+
+        async def late() -> None:
+            async with stale.transaction():
+                await check_fence(stale, "acct", 19)
+
+        attempt = asyncio.create_task(late())
+        await asyncio.sleep(0.2)  # it is blocked on the row the newer writer locked
+        assert not attempt.done()
+        await transaction.commit()
+        with pytest.raises(StaleFence):
+            await asyncio.wait_for(attempt, DEADLINE_S)
+    finally:
+        await newer.close()
+        await stale.close()
+
+
+# --------------------------------------------------------------------------- watchdog
+
+
+async def test_watchdog_keeps_a_long_section_alive(r: Redis) -> None:
+    lock = Lock(r, "wd", timeout=0.3, watchdog=True)
+    assert await lock.acquire(blocking=False)
+    await asyncio.sleep(1.2)  # four leases
+    assert await lock.owned()
+    assert not await Lock(r, "wd").acquire(blocking=False)
+    await lock.release()
+    assert not lock.lost.is_set()
+    await asyncio.sleep(0.4)  # nothing renews a released lock back into existence
+    assert not await r.exists("wd")
+
+
+async def test_watchdog_stops_after_its_cap(r: Redis) -> None:
+    lock = Lock(r, "wd", timeout=0.3, watchdog=True, watchdog_cap_s=0.6)
+    assert await lock.acquire(blocking=False)
+    await asyncio.wait_for(lock.lost.wait(), DEADLINE_S)
+    # "lost" comes at the lease's end by the local clock, which starts before the
+    # server's: Redis may keep the key a moment longer, never the other way round.
+    await eventually(lambda: _not(lock.owned()), "the lease ran out")
+    assert await Lock(r, "wd").acquire(blocking=False)
+
+
+async def test_watchdog_stops_when_the_holding_task_ends(r: Redis) -> None:
+    lock = Lock(r, "wd", timeout=0.3, watchdog=True)
+
+    async def hold_and_vanish() -> None:
+        assert await lock.acquire(blocking=False)
+
+    await asyncio.create_task(hold_and_vanish())
+    # Renewed forever, it would never be free again: this acquire would give up.
+    assert await Lock(r, "wd", sleep=0.05).acquire(blocking_timeout=DEADLINE_S)
+
+
+async def test_watchdog_sees_a_stolen_lock(r: Redis) -> None:
+    lock = Lock(r, "wd", timeout=0.6, watchdog=True)
+    assert await lock.acquire(blocking=False)
+    await r.set("wd", "thief")
+    await asyncio.wait_for(lock.lost.wait(), DEADLINE_S)
+    assert not await lock.owned()
+    with pytest.raises(LockNotOwnedError):
+        await lock.release()
+    assert await r.get("wd") == b"thief"
+
+
+async def test_watchdog_needs_a_lease(r: Redis) -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        Lock(r, "wd", watchdog=True)
+
+
+# ------------------------------------------------------------------------ reentrancy
+
+
+async def test_reentrant_per_task(r: Redis) -> None:
+    outer = Lock(r, "re", reentrant=True, timeout=10)
+    inner = Lock(r, "re", reentrant=True)
+    assert await outer.acquire(blocking=False)
+    assert await outer.acquire(blocking=False)  # the same object again
+    assert await inner.acquire(blocking=False)  # another object, same task
+    assert inner.fence == outer.fence
+    assert await r.hget("re", "count") == b"3"
+
+    async def other_task() -> bool:
+        return await Lock(r, "re", reentrant=True).acquire(blocking=False)
+
+    assert not await asyncio.create_task(other_task())
+    await inner.release()
+    await outer.release()
+    assert await outer.owned() and await r.hget("re", "count") == b"1"
+    assert not await asyncio.create_task(other_task())
+    await outer.release()
+    assert not await r.exists("re")
+    assert await asyncio.create_task(other_task())
+
+
+async def test_plain_lock_is_not_reentrant(r: Redis) -> None:
+    lock = Lock(r, "foo")
+    assert await lock.acquire(blocking=False)
+    assert not await lock.acquire(blocking=False)
+    await lock.release()
+
+
+async def test_plain_and_reentrant_exclude_each_other(r: Redis) -> None:
+    async with Lock(r, "mix"):
+        assert not await Lock(r, "mix", reentrant=True).acquire(blocking=False)
+    async with Lock(r, "mix", reentrant=True):
+        assert not await Lock(r, "mix").acquire(blocking=False)
+        assert not await RedisLock(r, "mix").acquire(blocking=False)
+
+
+# ----------------------------------------------------------- release-signalled waits
+
+
+async def test_a_release_wakes_a_waiter(r: Redis) -> None:
+    holder = Lock(r, "sig")
+    assert await holder.acquire(blocking=False)
+    # Polling alone would not look again for 15-45 s.
+    waiter = Lock(r, "sig", sleep=30)
+    task = asyncio.create_task(waiter.acquire(blocking_timeout=25))
+    await eventually(lambda: _is(subscribers(r), 1), "the waiter subscribed")
+    await holder.release()
+    assert await asyncio.wait_for(task, 10)
+    await waiter.release()
+
+
+async def test_an_expiry_wakes_a_waiter(r: Redis) -> None:
+    assert await Lock(r, "sig", timeout=0.5).acquire(blocking=False)  # never released
+    waiter = Lock(r, "sig", sleep=30)
+    assert await asyncio.wait_for(waiter.acquire(blocking_timeout=25), 10)
+    await waiter.release()
+
+
+async def test_one_subscription_for_all_waiters(r: Redis) -> None:
+    names = [f"k{i}" for i in range(5)]
+    holders = [Lock(r, name) for name in names]
+    for holder in holders:
+        assert await holder.acquire(blocking=False)
+    done = []
+
+    async def wait_then_release(name: str) -> None:
+        lock = Lock(r, name, sleep=30)
+        assert await lock.acquire(blocking_timeout=25)
+        done.append(name)
+        await lock.release()  # wakes the next waiter of that name
+
+    tasks = [asyncio.create_task(wait_then_release(n)) for n in names for _ in range(4)]
+    await eventually(lambda: _is(subscribers(r), 1), "one subscription")
+    await asyncio.sleep(0.2)
+    assert await subscribers(r) == 1
+    for holder in holders:
+        await holder.release()
+    await asyncio.wait_for(asyncio.gather(*tasks), 20)
+    assert sorted(done) == sorted(names * 4)
+    # Without waiters the subscription ends by itself.
+    await eventually(lambda: _is(subscribers(r), 0), "the subscription ended")
+
+
+async def test_polling_without_release_signal(r: Redis) -> None:
+    holder = Lock(r, "poll")
+    assert await holder.acquire(blocking=False)
+    waiter = Lock(r, "poll", sleep=0.05, release_signal=False)
+    task = asyncio.create_task(waiter.acquire(blocking_timeout=DEADLINE_S))
+    await asyncio.sleep(0.2)
+    assert await subscribers(r) == 0
+    await holder.release()
+    assert await asyncio.wait_for(task, DEADLINE_S)
+
+
+async def test_waiters_survive_a_restarted_server(fresh_redis: RedisServer) -> None:
+    client = restartable(fresh_redis.url)
+    try:
+        assert await Lock(client, "sig").acquire(blocking=False)  # lost with the restart
+        waiter = Lock(client, "sig", sleep=0.2)
+        task = asyncio.create_task(waiter.acquire(blocking_timeout=DEADLINE_S))
+        await eventually(lambda: _is(subscribers(client), 1), "the waiter subscribed")
+        fresh_redis.restart()
+        assert await asyncio.wait_for(task, DEADLINE_S)
+        await waiter.release()
+    finally:
+        await client.aclose()
+
+
+# ---------------------------------------------------------------------- cancellation
+
+
+async def test_a_cancelled_release_still_releases(r: Redis) -> None:
+    lock = Lock(r, "c")
+    assert await lock.acquire(blocking=False)
+    task = asyncio.create_task(lock.release())
+    await asyncio.sleep(0)  # sent, not answered
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await lock.settled()
+    assert lock.local.token is None
+    assert not await r.exists("c")
+
+
+async def test_a_cancelled_release_keeps_a_token_that_still_holds(
+    fresh_redis: RedisServer,
+) -> None:
+    client = Redis.from_url(fresh_redis.url, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    try:
+        lock = Lock(client, "c")
+        assert await lock.acquire(blocking=False)
+        token = lock.local.token
+        fresh_redis.pause()
+        try:
+            task = asyncio.create_task(lock.release())
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await lock.settled()  # the release timed out against the paused server
+            assert lock.local.token == token
+        finally:
+            fresh_redis.resume()
+        # Either this release works, or the paused server ran the timed-out one
+        # when it woke up and this one finds the lock gone: both end the hold.
+        with contextlib.suppress(LockNotOwnedError):
+            await lock.release()
+        assert lock.local.token is None
+        assert not await client.exists("c")
+    finally:
+        await client.aclose()
+
+
+async def test_a_cancelled_acquire_gives_back_what_it_got(fresh_redis: RedisServer) -> None:
+    client = Redis.from_url(fresh_redis.url, socket_timeout=DEADLINE_S)
+    try:
+        await client.ping()
+        lock = Lock(client, "c")
+        fresh_redis.pause()
+        try:
+            task = asyncio.create_task(lock.acquire(blocking=False))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            fresh_redis.resume()  # the server now runs the acquire and grants it
+        await lock.settled()
+        assert lock.local.token is None
+        assert not await client.exists("c")
+    finally:
+        await client.aclose()
+
+
+# --------------------------------------------------------------------- processes
+
+
+def _spawn(job: dict[str, Any]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.lock_child", json.dumps(job)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _read_line(proc: subprocess.Popen[str], timeout: float = DEADLINE_S) -> str:
+    """One line of the child's stdout, bounded in time."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    os.set_blocking(proc.stdout.fileno(), False)
+    try:
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line:
+                return line.strip()
+            if proc.poll() is not None:
+                raise AssertionError(f"child exited with {proc.returncode}")
+            time.sleep(0.02)
+    finally:
+        os.set_blocking(proc.stdout.fileno(), True)
+    raise AssertionError("child did not answer in time")
+
+
+def _send(proc: subprocess.Popen[str], line: str) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+@pytest.fixture
+def children() -> Iterator[list[subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)  # a stopped process cannot die
+                p.kill()
+            p.wait(timeout=DEADLINE_S)
+            for stream in (p.stdin, p.stdout):
+                if stream is not None:
+                    stream.close()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"reentrant": True, "timeout": 2, "watchdog": True}],
+    ids=["plain", "reentrant-watchdog"],
+)
+async def test_processes_take_turns_with_growing_fences(
+    redis_url: str, r: Redis, children: list[subprocess.Popen[str]], options: dict[str, Any]
+) -> None:
+    processes, tasks, iterations = 4, 2, 20
+    job = {
+        "mode": "contend",
+        "redis_url": redis_url,
+        "name": "hot",
+        "iterations": iterations,
+        "tasks": tasks,
+        "options": options,
+    }
+    children.extend(_spawn(job) for _ in range(processes))
+    for p in children:
+        assert _read_line(p) == "READY"
+    for p in children:
+        _send(p, "go")
+    results = [json.loads(_read_line(p, timeout=60)) for p in children]
+    assert all(res == {"max_inside": 1, "count": tasks * iterations} for res in results)
+    log = [json.loads(entry) for entry in await r.lrange("log", 0, -1)]
+    assert len(log) == processes * tasks * iterations
+    fences = [fence for fence, _, _ in log]
+    assert all(a < b for a, b in itertools.pairwise(fences))  # in entry order
+    assert len({pid for _, pid, _ in log}) == processes
+
+
+async def test_a_killed_holder_frees_the_lock_after_its_lease(
+    redis_url: str, r: Redis, children: list[subprocess.Popen[str]]
+) -> None:
+    job = {
+        "mode": "hold",
+        "redis_url": redis_url,
+        "name": "crash",
+        "options": {"timeout": 1, "watchdog": True},
+    }
+    children.append(_spawn(job))
+    first = json.loads(_read_line(children[0]))["fence"]
+    children[0].kill()
+    children[0].wait(timeout=DEADLINE_S)
+    lock = Lock(r, "crash", sleep=5)
+    assert await lock.acquire(blocking_timeout=DEADLINE_S)
+    assert lock.fence is not None and lock.fence > first
+    await lock.release()
+
+
+async def test_a_paused_holders_late_writes_are_rejected(
+    redis_url: str, r: Redis, pg_empty_url: str, children: list[subprocess.Popen[str]]
+) -> None:
+    conn = await asyncpg.connect(pg_empty_url)
+    try:
+        await conn.execute(LEDGER_DDL)
+    finally:
+        await conn.close()
+    job = {
+        "mode": "hold",
+        "redis_url": redis_url,
+        "database_url": pg_empty_url,
+        "resource": "acct",
+        "name": "pause",
+        "options": {"timeout": 1, "watchdog": True},
+    }
+    child = _spawn(job)
+    children.append(child)
+    stale_fence = json.loads(_read_line(child))["fence"]
+    child.send_signal(signal.SIGSTOP)  # a long GC pause, say: its watchdog stops too
+    lock = Lock(r, "pause", timeout=30)
+    assert await lock.acquire(blocking_timeout=DEADLINE_S)  # after the child's lease
+    assert lock.fence is not None and lock.fence > stale_fence
+    assert await write_fenced(r, pg_empty_url, "acct", "parent", lock.fence) == {
+        "sql": "written",
+        "redis": "written",
+    }
+    _send(child, "write")  # read when it wakes up, still believing it holds the lock
+    child.send_signal(signal.SIGCONT)
+    assert json.loads(_read_line(child)) == {"sql": "rejected", "redis": "rejected", "owned": False}
+    conn = await asyncpg.connect(pg_empty_url)
+    try:
+        row = await conn.fetchrow("SELECT writer, fence FROM ledger WHERE resource = 'acct'")
+    finally:
+        await conn.close()
+    assert (row["writer"], row["fence"]) == ("parent", lock.fence)
+    assert await r.hget("acct", "value") == b"parent"
+    await lock.release()
