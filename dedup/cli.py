@@ -1,4 +1,4 @@
-"""The ``dedup`` command: ``demo``, ``migrate`` and ``bench``.
+"""The ``dedup`` command: ``demo``, ``migrate``, ``bench``, ``serve`` and ``check``.
 
 Settings reach every subcommand as flag > ``DEDUP_*`` environment variable >
 ``--config`` file (default ``config/dedup.toml``) > built-in default.
@@ -14,9 +14,9 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from dedup.errors import DedupError
-from dedup.settings import Settings, load_settings
+from dedup.settings import Config, Settings, load_config, load_settings
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 T = TypeVar("T")
 
@@ -30,7 +30,8 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(coro)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``dedup`` command (every subcommand and flag)."""
     parser = argparse.ArgumentParser(
         prog="dedup", description="Write-deduplication gateway on Redis and PostgreSQL."
     )
@@ -38,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
+        # SUPPRESS: given after the subcommand it wins, absent it leaves the global one alone.
+        p.add_argument("--config", default=argparse.SUPPRESS, help="TOML settings file")
         p.add_argument("--redis-url", help="redis://, rediss://, unix:// (default: embedded)")
         p.add_argument("--database-url", help="postgresql:// or sqlite:/// (default: embedded)")
         p.add_argument("--data-dir", help="folder of the embedded default (default: .dedup)")
@@ -63,19 +66,66 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a short run (20,000 requests)")
     bench.add_argument("--requests", type=int, help="requests per run (default 200,000)")
     bench.add_argument("--out", default="bench-results", help="folder of bench.json and the chart")
+
+    serve = sub.add_parser("serve", help="run the HTTP ingest service (see docs/service.md)")
+    common(serve)
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="TCP port (default 8080)")
+    serve.add_argument("--workers", type=int, help="worker processes sharing the port (default 1)")
+
+    check = sub.add_parser(
+        "check", help="validate the settings and reach Redis and the database; report findings"
+    )
+    common(check)
     return parser
 
 
+def _gateway_flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "redis_url": args.redis_url,
+        "database_url": args.database_url,
+        "data_dir": args.data_dir,
+    }
+
+
 def _settings(args: argparse.Namespace) -> Settings:
-    return load_settings(
+    return load_settings(config_path=args.config, environ=os.environ, flags=_gateway_flags(args))
+
+
+def _config(args: argparse.Namespace) -> Config:
+    service_flags = {name: getattr(args, name, None) for name in ("host", "port", "workers")}
+    return load_config(
         config_path=args.config,
         environ=os.environ,
-        flags={
-            "redis_url": args.redis_url,
-            "database_url": args.database_url,
-            "data_dir": args.data_dir,
-        },
+        gateway_flags=_gateway_flags(args),
+        service_flags=service_flags,
     )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from dedup.service import run, setup_logging
+
+    config = _config(args)
+    setup_logging(config.service.log_level)
+    return run(config.service, config.gateway.gateway_kwargs())
+
+
+_MARKS = {"ok": "OK  ", "warn": "WARN", "fail": "FAIL"}
+
+
+def _check(args: argparse.Namespace) -> int:
+    from dedup.service import check
+
+    findings = _run(check(_config(args)))
+    for f in findings:
+        print(f"{_MARKS[f.status]} {f.subject:<8} {f.message}")
+    failed = sum(f.status == "fail" for f in findings)
+    warned = sum(f.status == "warn" for f in findings)
+    if failed:
+        print(f"dedup check: {failed} problem(s), {warned} warning(s)")
+        return 1
+    print(f"dedup check: OK ({warned} warning(s))")
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -114,10 +164,17 @@ def _migrate(args: argparse.Namespace) -> int:
         from pathlib import Path
 
         url = f"sqlite:///{Path(settings.data_dir).resolve() / 'dedup.sqlite3'}"
-    upgrade(url)
+    from dedup.errors import ConfigError, Unavailable
     from dedup.gateway import redact
 
-    print(f"database {redact(url)} is at revision {current(url)}")
+    try:
+        upgrade(url)
+        revision = current(url)
+    except ValueError as exc:  # an unsupported URL scheme
+        raise ConfigError(str(exc)) from None
+    except Exception as exc:  # unreachable or refusing: a message, not a traceback
+        raise Unavailable(f"could not migrate {redact(url)}: {exc}", component="database") from None
+    print(f"database {redact(url)} is at revision {revision}")
     return 0
 
 
@@ -143,13 +200,16 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dedup`` console script; returns the exit status."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
+    commands = {
+        "demo": _demo,
+        "bench": _bench,
+        "migrate": _migrate,
+        "serve": _serve,
+        "check": _check,
+    }
     try:
-        if args.command == "demo":
-            return _demo(args)
-        if args.command == "bench":
-            return _bench(args)
-        return _migrate(args)
+        return commands[args.command](args)
     except DedupError as exc:
         print(f"dedup: error: {exc}", file=sys.stderr)
         return 2

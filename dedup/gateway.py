@@ -528,6 +528,40 @@ class Gateway:
         """How many rows the default table holds for ``kinds`` (a query, not a counter)."""
         return await self._require_default_sink().count(kinds)
 
+    async def ping(self, timeout_s: float = 1.0) -> dict[str, bool]:
+        """Whether Redis and the database answer right now: ``{"redis", "database"}``.
+
+        Both are checked at once, each bounded by ``timeout_s``: a PING to Redis and
+        a count of no kinds (an index probe that also proves the table exists) on
+        the default sink. A custom sink is not probed (``"database"`` is True).
+        A closed Gateway answers False for both. Never raises for an unreachable server.
+        """
+
+        async def redis_ok() -> bool:
+            client = self._redis
+            if client is None or self._state != "open":
+                return False
+            try:
+                await asyncio.wait_for(client.ping(), timeout_s)
+            except (RedisError, OSError, TimeoutError):
+                return False
+            return True
+
+        async def database_ok() -> bool:
+            if self._state != "open":
+                return False
+            sink = self._default_sink
+            if sink is None:
+                return self._sink is not None
+            try:
+                await asyncio.wait_for(sink.count(()), timeout_s)
+            except Exception:  # any failure of the probe means "cannot serve now"
+                return False
+            return True
+
+        redis_up, database_up = await asyncio.gather(redis_ok(), database_ok())
+        return {"redis": redis_up, "database": database_up}
+
     def _require_default_sink(self) -> DefaultSink:
         if self._default_sink is None:
             raise DedupError("this needs an open Gateway with the default sink")

@@ -1,31 +1,50 @@
-"""Settings for the command line (and, later, the service): flag > DEDUP_* > file > default.
+"""Settings for the command line and the service: flag > DEDUP_* > file > default.
 
 Only ``cli`` and ``service`` read settings and the environment; the core takes
 explicit keyword arguments, built here by :meth:`Settings.gateway_kwargs`.
+
+The config file (default ``config/dedup.toml``) has two tables: ``[gateway]``
+(:class:`Settings`, the Gateway's options) and ``[service]``
+(:class:`ServiceSettings`, the HTTP service's). Every setting of either table can
+be overridden by the environment variable ``DEDUP_<NAME>`` (names are unique
+across the two tables, so one prefix serves both) and by a command-line flag.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dedup.errors import ConfigError
 
-__all__ = ["DEFAULT_CONFIG", "ENV_PREFIX", "Settings", "load_settings"]
+__all__ = [
+    "DEFAULT_CONFIG",
+    "ENV_PREFIX",
+    "LOG_LEVELS",
+    "Config",
+    "ServiceSettings",
+    "Settings",
+    "load_config",
+    "load_service_settings",
+    "load_settings",
+]
 
 DEFAULT_CONFIG = Path("config/dedup.toml")
 ENV_PREFIX = "DEDUP_"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
 class Settings:
     """Every setting of the ``[gateway]`` table of ``config/dedup.toml``, with its default.
 
-    An empty URL means "embedded default".
+    An empty URL means "embedded default". The Gateway checks the values when it
+    is constructed (:class:`dedup.ConfigError`).
     """
 
     redis_url: str = ""
@@ -55,6 +74,85 @@ class Settings:
         return kwargs
 
 
+@dataclass(frozen=True)
+class ServiceSettings:
+    """Every setting of the ``[service]`` table of ``config/dedup.toml``, with its default.
+
+    Checked on construction: an impossible value raises :class:`dedup.ConfigError`.
+    ``auth_token`` is kept out of ``repr`` (and so out of logs and tracebacks).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    workers: int = 1
+    auth_token: str = field(default="", repr=False)
+    max_body_bytes: int = 1_048_576
+    max_batch_items: int = 1000
+    drain_timeout_s: float = 30.0
+    ready_timeout_s: float = 1.0
+    retry_after_s: int = 1
+    backlog: int = 1024
+    keepalive_timeout_s: float = 75.0
+    access_log: bool = False
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ConfigError("host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be 0-65535, got {self.port}")
+        if not 1 <= self.workers <= 256:
+            raise ConfigError(f"workers must be 1-256, got {self.workers}")
+        if self.workers > 1 and self.port == 0:
+            # Every worker binds on its own; with port 0 each would get a different port.
+            raise ConfigError("workers > 1 needs a fixed port, not 0")
+        for name in ("max_body_bytes", "max_batch_items", "retry_after_s", "backlog"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+        for name in ("drain_timeout_s", "ready_timeout_s", "keepalive_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+        if self.auth_token != self.auth_token.strip() or any(
+            not 0x21 <= ord(c) <= 0x7E for c in self.auth_token
+        ):
+            # It travels in an HTTP header: printable ASCII without spaces only.
+            raise ConfigError("auth_token must be printable ASCII without spaces")
+
+    @property
+    def loopback(self) -> bool:
+        """True when ``host`` is reachable from this machine only."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False  # a host name: assume it is reachable from elsewhere
+
+
+@dataclass(frozen=True)
+class Config:
+    """Both tables, merged from every source; ``path`` is the file read (None: none)."""
+
+    gateway: Settings
+    service: ServiceSettings
+    path: Path | None
+
+
+_T = TypeVar("_T")
+_TABLES: dict[str, type[Any]] = {"gateway": Settings, "service": ServiceSettings}
+_KINDS = {"str": str, "int": int, "float": float, "bool": bool}
+
+
+def _kinds(cls: type[Any]) -> dict[str, type]:
+    return {f.name: _KINDS[str(f.type)] for f in fields(cls)}
+
+
+# One DEDUP_<NAME> per setting: a name in both tables would be ambiguous.
+assert not set(_kinds(Settings)) & set(_kinds(ServiceSettings)), "setting names must be unique"
+
+
 def _convert(name: str, raw: Any, kind: type, origin: str) -> Any:
     """Coerce one setting to its declared type, or raise a ConfigError naming where it came from."""
     try:
@@ -69,11 +167,62 @@ def _convert(name: str, raw: Any, kind: type, origin: str) -> Any:
             raise ValueError(raw)
         if kind is int and isinstance(raw, float | bool):
             raise ValueError(raw)
+        if kind is str and not isinstance(raw, str):
+            raise ValueError(raw)
         return kind(raw)
     except (TypeError, ValueError):
+        # The value itself is not repeated for strings: it may be a secret.
+        shown = "a value" if kind is str else repr(raw)
         raise ConfigError(
-            f"setting {name} from {origin} must be {kind.__name__}, got {raw!r}"
+            f"setting {name} from {origin} must be {kind.__name__}, got {shown}"
         ) from None
+
+
+def _read_file(config_path: str | Path | None) -> tuple[dict[str, Any], Path | None]:
+    """The parsed config file and its path; ``({}, None)`` when the default file is absent."""
+    path = Path(config_path) if config_path is not None else DEFAULT_CONFIG
+    if not path.exists():
+        if config_path is not None:
+            raise ConfigError(f"config file {path} does not exist")
+        return {}, None
+    try:
+        document = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    for name, table in document.items():
+        if name not in _TABLES:
+            raise ConfigError(
+                f"{path}: unknown table [{name}]; expected {', '.join(f'[{t}]' for t in _TABLES)}"
+            )
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [{name}] must be a table")
+    return document, path
+
+
+def _merge(
+    cls: type[_T],
+    table_name: str,
+    document: Mapping[str, Any],
+    path: Path | None,
+    environ: Mapping[str, str],
+    flags: Mapping[str, Any],
+) -> _T:
+    kinds = _kinds(cls)
+    values: dict[str, Any] = {}
+    for name, raw in document.get(table_name, {}).items():
+        if name not in kinds:
+            raise ConfigError(f"{path}: unknown setting {name!r} in [{table_name}]")
+        values[name] = _convert(name, raw, kinds[name], str(path))
+    for name, kind in kinds.items():
+        env_name = ENV_PREFIX + name.upper()
+        if env_name in environ:
+            values[name] = _convert(name, environ[env_name], kind, env_name)
+    for name, raw in flags.items():
+        if raw is not None:
+            if name not in kinds:
+                raise ConfigError(f"unknown setting {name!r}")
+            values[name] = _convert(name, raw, kinds[name], f"--{name.replace('_', '-')}")
+    return cls(**values)
 
 
 def load_settings(
@@ -88,37 +237,33 @@ def load_settings(
     ``config_path`` None means ``config/dedup.toml`` if it exists; a path given
     explicitly must exist.
     """
-    types = {f.name: f.type for f in fields(Settings)}
-    kinds = {
-        name: {"str": str, "int": int, "float": float, "bool": bool}[str(t)]
-        for name, t in types.items()
-    }
-    values: dict[str, Any] = {}
+    document, path = _read_file(config_path)
+    return _merge(Settings, "gateway", document, path, environ, flags)
 
-    path = Path(config_path) if config_path is not None else DEFAULT_CONFIG
-    if path.exists():
-        try:
-            document = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}") from None
-        table = document.get("gateway", {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"{path}: [gateway] must be a table")
-        for name, raw in table.items():
-            if name not in kinds:
-                raise ConfigError(f"{path}: unknown setting {name!r} in [gateway]")
-            values[name] = _convert(name, raw, kinds[name], str(path))
-    elif config_path is not None:
-        raise ConfigError(f"config file {path} does not exist")
 
-    for name, kind in kinds.items():
-        env_name = ENV_PREFIX + name.upper()
-        if env_name in environ:
-            values[name] = _convert(name, environ[env_name], kind, env_name)
+def load_service_settings(
+    *,
+    config_path: str | Path | None,
+    environ: Mapping[str, str],
+    flags: Mapping[str, Any],
+) -> ServiceSettings:
+    """Like :func:`load_settings`, for the ``[service]`` table."""
+    document, path = _read_file(config_path)
+    return _merge(ServiceSettings, "service", document, path, environ, flags)
 
-    for name, raw in flags.items():
-        if raw is not None:
-            if name not in kinds:
-                raise ConfigError(f"unknown setting {name!r}")
-            values[name] = _convert(name, raw, kinds[name], f"--{name.replace('_', '-')}")
-    return Settings(**values)
+
+def load_config(
+    *,
+    config_path: str | Path | None,
+    environ: Mapping[str, str],
+    gateway_flags: Mapping[str, Any],
+    service_flags: Mapping[str, Any],
+) -> Config:
+    """Both tables from one reading of the file, with the same precedence as
+    :func:`load_settings`."""
+    document, path = _read_file(config_path)
+    return Config(
+        gateway=_merge(Settings, "gateway", document, path, environ, gateway_flags),
+        service=_merge(ServiceSettings, "service", document, path, environ, service_flags),
+        path=path,
+    )

@@ -1,0 +1,353 @@
+"""The OpenAPI 3.1 document of the HTTP service, served at ``GET /openapi.json``.
+
+Built from the service's settings, so the limits it states (items per batch,
+body size, whether a token is required) are the ones the running server applies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ERROR_CODES", "openapi_document"]
+
+ERROR_CODES: dict[str, str] = {
+    "malformed_json": "400: the body is not valid JSON (or not UTF-8).",
+    "unauthorized": "401: a token is configured and the bearer token is missing or wrong.",
+    "not_found": "404: no such path.",
+    "method_not_allowed": "405: the path exists but not with this method (see Allow).",
+    "body_too_large": "413: the body is over max_body_bytes.",
+    "unsupported_media_type": "415: the Content-Type is not application/json.",
+    "invalid_input": "422: a field is missing, unknown, of the wrong type or over a limit; "
+    "`field` and (in a batch) `index` name it. Nothing was saved.",
+    "overloaded": "429: this process has too many saves in flight; retry after Retry-After.",
+    "internal_error": "500: a bug; nothing was acknowledged.",
+    "http_error": "Another 4xx raised by the HTTP layer itself (see the status); rare.",
+    "unavailable": "503: Redis or the database cannot be reached (`component`); nothing was "
+    "acknowledged; retry after Retry-After.",
+    "wait_timeout": "503: another writer held the value for longer than wait_timeout_s; retry "
+    "after Retry-After.",
+    "not_ready": "503 from /readyz: Redis or the database cannot be reached, or the process "
+    "is draining.",
+}
+"""Every ``error.code`` the service sends, with its status and meaning."""
+
+
+def _error_response(description: str, *, retry_after: bool = False) -> dict[str, Any]:
+    response: dict[str, Any] = {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
+    if retry_after:
+        response["headers"] = {"Retry-After": {"$ref": "#/components/headers/Retry-After"}}
+    return response
+
+
+def openapi_document(
+    *, max_batch_items: int, max_body_bytes: int, auth: bool, version: str
+) -> dict[str, Any]:
+    """The OpenAPI 3.1 document for a server with these limits."""
+    errors = {
+        "400": {"$ref": "#/components/responses/MalformedJson"},
+        "413": {"$ref": "#/components/responses/BodyTooLarge"},
+        "415": {"$ref": "#/components/responses/UnsupportedMediaType"},
+        "422": {"$ref": "#/components/responses/InvalidInput"},
+        "429": {"$ref": "#/components/responses/Overloaded"},
+        "500": {"$ref": "#/components/responses/InternalError"},
+        "503": {"$ref": "#/components/responses/Unavailable"},
+    }
+    if auth:
+        errors["401"] = {"$ref": "#/components/responses/Unauthorized"}
+    security: list[dict[str, list[str]]] = [{"bearer": []}] if auth else []
+    request_body = f"Content-Type must be application/json; at most {max_body_bytes} bytes."
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "dedup",
+            "version": version,
+            "description": (
+                "Write-deduplication gateway: each value of a kind is saved to the database "
+                "exactly once. A 200 or 201 is sent only once the row is committed (by this "
+                "request or an earlier one); any other status acknowledges nothing. Every "
+                '4xx and 5xx has the body {"error": {"code", "message"}}.'
+            ),
+        },
+        "paths": {
+            "/v1/save": {
+                "post": {
+                    "operationId": "save",
+                    "summary": "Save one value of a kind, once.",
+                    "security": security,
+                    "requestBody": {
+                        "required": True,
+                        "description": request_body,
+                        "content": {
+                            "application/json": {"schema": {"$ref": "#/components/schemas/Item"}}
+                        },
+                    },
+                    "responses": {
+                        "201": {
+                            "description": "This request's write inserted the row.",
+                            "content": {
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/SaveResult"}
+                                }
+                            },
+                        },
+                        "200": {
+                            "description": "The row already existed (committed earlier).",
+                            "content": {
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/SaveResult"}
+                                }
+                            },
+                        },
+                        **errors,
+                    },
+                }
+            },
+            "/v1/save/batch": {
+                "post": {
+                    "operationId": "saveBatch",
+                    "summary": "Save many values; one result per item, in order.",
+                    "description": (
+                        "Every item is validated before any work: one bad item gets 422 "
+                        "naming its index, and nothing is saved. If a server fails midway "
+                        "the request fails (503); items committed before the failure answer "
+                        "created=false on retry."
+                    ),
+                    "security": security,
+                    "requestBody": {
+                        "required": True,
+                        "description": request_body,
+                        "content": {
+                            "application/json": {"schema": {"$ref": "#/components/schemas/Batch"}}
+                        },
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "Every item is committed.",
+                            "content": {
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/BatchResult"}
+                                }
+                            },
+                        },
+                        **errors,
+                    },
+                }
+            },
+            "/healthz": {
+                "get": {
+                    "operationId": "healthz",
+                    "summary": "The process is alive (checks nothing else).",
+                    "security": [],
+                    "responses": {
+                        "200": {
+                            "description": "Alive.",
+                            "content": {
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/Health"}
+                                }
+                            },
+                        }
+                    },
+                }
+            },
+            "/readyz": {
+                "get": {
+                    "operationId": "readyz",
+                    "summary": "Redis and the database answer: this process can serve.",
+                    "description": (
+                        "`degraded` is true while serving through the database alone; the "
+                        "degraded mode is not built yet, so it is always false for now."
+                    ),
+                    "security": [],
+                    "responses": {
+                        "200": {
+                            "description": "Ready.",
+                            "content": {
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/Ready"}
+                                }
+                            },
+                        },
+                        "503": _error_response(
+                            "Not ready (code not_ready; `checks` says which server failed), "
+                            "or draining after SIGTERM.",
+                            retry_after=True,
+                        ),
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "operationId": "metrics",
+                    "summary": "Prometheus text exposition (format 0.0.4) of this process.",
+                    "security": security,
+                    "responses": {
+                        "200": {
+                            "description": "Metrics.",
+                            "content": {
+                                "text/plain; version=0.0.4": {"schema": {"type": "string"}}
+                            },
+                        },
+                        **({"401": errors["401"]} if auth else {}),
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "operationId": "openapi",
+                    "summary": "This document.",
+                    "security": [],
+                    "responses": {
+                        "200": {
+                            "description": "The OpenAPI document.",
+                            "content": {"application/json": {"schema": {"type": "object"}}},
+                        }
+                    },
+                }
+            },
+        },
+        "components": {
+            "schemas": {
+                "Item": {
+                    "type": "object",
+                    "required": ["kind", "value"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "kind": {
+                            "type": "string",
+                            "minLength": 1,
+                            "maxLength": 128,
+                            "description": "1-128 printable characters.",
+                        },
+                        "value": {
+                            "type": "string",
+                            "description": "No NUL; at most max_value_bytes in UTF-8.",
+                        },
+                        "payload": {
+                            "description": "Any JSON (stored with the row the first time); "
+                            "null means none. At most max_payload_bytes as JSON.",
+                        },
+                    },
+                },
+                "Batch": {
+                    "type": "object",
+                    "required": ["items"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "items": {
+                            "type": "array",
+                            "maxItems": max_batch_items,
+                            "items": {"$ref": "#/components/schemas/Item"},
+                        }
+                    },
+                },
+                "SaveResult": {
+                    "type": "object",
+                    "required": ["created", "source"],
+                    "properties": {
+                        "created": {
+                            "type": "boolean",
+                            "description": "True only for the save whose own write inserted "
+                            "the row (exactly when source is write).",
+                        },
+                        "source": {
+                            "type": "string",
+                            "enum": ["local", "inflight", "redis", "db", "write"],
+                        },
+                    },
+                },
+                "BatchResult": {
+                    "type": "object",
+                    "required": ["results"],
+                    "properties": {
+                        "results": {
+                            "type": "array",
+                            "items": {"$ref": "#/components/schemas/SaveResult"},
+                        }
+                    },
+                },
+                "Health": {
+                    "type": "object",
+                    "required": ["status", "pid"],
+                    "properties": {
+                        "status": {"const": "ok"},
+                        "pid": {"type": "integer", "description": "The worker process."},
+                    },
+                },
+                "Ready": {
+                    "type": "object",
+                    "required": ["ready", "degraded", "checks"],
+                    "properties": {
+                        "ready": {"const": True},
+                        "degraded": {"type": "boolean"},
+                        "checks": {"$ref": "#/components/schemas/Checks"},
+                    },
+                },
+                "Checks": {
+                    "type": "object",
+                    "properties": {"redis": {"type": "boolean"}, "database": {"type": "boolean"}},
+                },
+                "Error": {
+                    "type": "object",
+                    "required": ["error"],
+                    "properties": {
+                        "error": {
+                            "type": "object",
+                            "required": ["code", "message"],
+                            "properties": {
+                                "code": {"type": "string", "enum": sorted(ERROR_CODES)},
+                                "message": {"type": "string"},
+                                "field": {
+                                    "type": ["string", "null"],
+                                    "description": "invalid_input: the offending field.",
+                                },
+                                "index": {
+                                    "type": "integer",
+                                    "description": "invalid_input in a batch: the item.",
+                                },
+                                "component": {
+                                    "type": "string",
+                                    "enum": ["redis", "database"],
+                                    "description": "unavailable: the server that failed.",
+                                },
+                                "checks": {"$ref": "#/components/schemas/Checks"},
+                            },
+                        }
+                    },
+                },
+            },
+            "headers": {
+                "Retry-After": {
+                    "description": "Seconds to wait before retrying.",
+                    "schema": {"type": "integer", "minimum": 1},
+                }
+            },
+            "responses": {
+                "MalformedJson": _error_response("malformed_json: the body is not JSON."),
+                "Unauthorized": _error_response("unauthorized: bearer token missing or wrong."),
+                "BodyTooLarge": _error_response(
+                    f"body_too_large: the body is over {max_body_bytes} bytes."
+                ),
+                "UnsupportedMediaType": _error_response(
+                    "unsupported_media_type: Content-Type is not application/json."
+                ),
+                "InvalidInput": _error_response(
+                    "invalid_input: which field (and item index) and why; nothing was saved."
+                ),
+                "Overloaded": _error_response(
+                    "overloaded: too many saves in flight in this process.", retry_after=True
+                ),
+                "InternalError": _error_response("internal_error: nothing was acknowledged."),
+                "Unavailable": _error_response(
+                    "unavailable (Redis or the database cannot be reached) or wait_timeout "
+                    "(another writer held the value too long); nothing was acknowledged.",
+                    retry_after=True,
+                ),
+            },
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "x-error-codes": ERROR_CODES,
+    }
