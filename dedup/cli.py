@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--requests", type=int, help="requests per run (default 200,000)")
     bench.add_argument("--out", default="bench-results", help="folder of bench.json and the chart")
 
-    serve = sub.add_parser("serve", help="run the HTTP ingest service (see docs/service.md)")
+    serve = sub.add_parser("serve", help="run the HTTP ingest service (see the README)")
     common(serve)
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="TCP port (default 8080)")
