@@ -8,6 +8,8 @@ user text reaches Redis key space.
 from __future__ import annotations
 
 import hashlib
+import math
+import re
 from typing import Any
 
 import orjson
@@ -28,6 +30,9 @@ __all__ = [
 DIGEST_BYTES = 16
 MAX_KIND_CHARS = 128
 _KIND_DIGEST_BYTES = 8
+# A JSON ``\u0000`` escape: a backslash preceded by an even number of backslashes
+# (an odd number makes it a literal backslash followed by the text "u0000").
+_NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 
 
 def digest(value: str) -> bytes:
@@ -105,10 +110,33 @@ def encode_payload(payload: Any, limits: Limits, index: int | None = None) -> st
             field="payload",
             index=index,
         )
+    # orjson writes NaN and +-Infinity as null: refuse them rather than store
+    # something else than was given. Only a payload whose JSON has a null can hold one.
+    if b"null" in raw and _has_non_finite(payload):
+        raise InvalidInput(
+            "payload holds NaN or Infinity, which JSON cannot represent",
+            field="payload",
+            index=index,
+        )
     # jsonb rejects the NUL escape; fail here rather than lose the batch later.
-    if b"\\u0000" in raw:
+    if b"\\u0000" in raw and _NUL_ESCAPE.search(raw):
         raise InvalidInput("payload must not contain NUL characters", field="payload", index=index)
     return raw.decode()
+
+
+def _has_non_finite(payload: Any) -> bool:
+    """Whether a float NaN or +-Infinity is anywhere in dicts, lists and tuples of ``payload``."""
+    stack = [payload]
+    while stack:  # a loop, not recursion: the depth is orjson's to bound, not ours
+        node = stack.pop()
+        if isinstance(node, float):
+            if not math.isfinite(node):
+                return True
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend(node)
+    return False
 
 
 class KeySpace:
