@@ -18,6 +18,7 @@ from dedup.errors import InvalidInput
 
 __all__ = [
     "DIGEST_BYTES",
+    "KIND_PATTERN",
     "MAX_KIND_CHARS",
     "KeySpace",
     "Limits",
@@ -30,6 +31,20 @@ __all__ = [
 DIGEST_BYTES = 16
 MAX_KIND_CHARS = 128
 _KIND_DIGEST_BYTES = 8
+# Characters a kind may not hold: controls (C0, DEL, C1), line and paragraph
+# separators, and the invisible format characters that reorder or hide text (bidi
+# controls, zero-width characters, BOM), plus noncharacters. An explicit list rather
+# than str.isprintable, whose answer changes with the Unicode version of each Python,
+# so that every gateway of a fleet, and the OpenAPI schema, agree on what is a kind.
+# Written with \uXXXX escapes, which Python's re, ECMA-262 and Rust's regex all read.
+_KIND_FORBIDDEN = (
+    r"\u0000-\u001f\u007f-\u009f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e"
+    r"\u2060-\u206f\ufeff\ufff9-\ufffb\ufffe\uffff"
+)
+KIND_PATTERN = f"^[^{_KIND_FORBIDDEN}]+$"
+"""The characters of a kind as a JSON Schema (ECMA-262) pattern; its length is checked apart."""
+# Lone surrogates too: they cannot be encoded to UTF-8 (JSON cannot carry them either).
+_KIND_BAD = re.compile(f"[{_KIND_FORBIDDEN}\\ud800-\\udfff]")
 # A JSON ``\u0000`` escape: a backslash preceded by an even number of backslashes
 # (an odd number makes it a literal backslash followed by the text "u0000").
 _NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
@@ -64,8 +79,13 @@ def validate_kind(kind: object, index: int | None = None) -> str:
             field="kind",
             index=index,
         )
-    if not kind.isprintable():
-        raise InvalidInput("kind must be printable text", field="kind", index=index)
+    if _KIND_BAD.search(kind):
+        raise InvalidInput(
+            "kind must not hold control characters, line separators, invisible format "
+            "characters (bidi, zero-width) or lone surrogates",
+            field="kind",
+            index=index,
+        )
     return kind
 
 

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ERROR_CODES", "openapi_document"]
+from dedup.keys import KIND_PATTERN, MAX_KIND_CHARS
+
+__all__ = ["ERROR_CODES", "NO_NUL_PATTERN", "openapi_document"]
+
+# An ECMA-262 regular expression, as JSON Schema wants them.
+NO_NUL_PATTERN = r"^[^\u0000]*$"
+"""Text without NUL (``\\u0000``), which PostgreSQL's text and jsonb cannot hold."""
 
 ERROR_CODES: dict[str, str] = {
     "malformed_json": "400: the body is not valid JSON (or not UTF-8).",
@@ -219,18 +225,37 @@ def openapi_document(
                         "kind": {
                             "type": "string",
                             "minLength": 1,
-                            "maxLength": 128,
-                            "description": "1-128 printable characters.",
+                            "maxLength": MAX_KIND_CHARS,
+                            "pattern": KIND_PATTERN,
+                            "description": "1-128 characters; no control characters, line "
+                            "separators, or invisible format characters (bidi, zero-width).",
                         },
                         "value": {
                             "type": "string",
+                            "pattern": NO_NUL_PATTERN,
                             "description": "No NUL; at most max_value_bytes in UTF-8.",
                         },
                         "payload": {
+                            "$ref": "#/components/schemas/Json",
                             "description": "Any JSON (stored with the row the first time); "
                             "null means none. At most max_payload_bytes as JSON.",
                         },
                     },
+                },
+                "Json": {
+                    "description": "Any JSON without NUL characters (PostgreSQL's jsonb "
+                    "refuses them). Numbers are read as 64-bit integers or doubles: a larger "
+                    "integer is stored as the nearest double.",
+                    "anyOf": [
+                        {"type": ["null", "boolean", "number"]},
+                        {"type": "string", "pattern": NO_NUL_PATTERN},
+                        {"type": "array", "items": {"$ref": "#/components/schemas/Json"}},
+                        {
+                            "type": "object",
+                            "propertyNames": {"pattern": NO_NUL_PATTERN},
+                            "additionalProperties": {"$ref": "#/components/schemas/Json"},
+                        },
+                    ],
                 },
                 "Batch": {
                     "type": "object",
