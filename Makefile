@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` and `make test`.
 # Each first runs scripts/setup.sh, which installs what is missing.
-.PHONY: demo test lint bench setup setup-tests clean
+.PHONY: demo test lint bench load setup setup-tests clean
 
 VENV := .venv/bin
 
@@ -26,6 +26,11 @@ test: lint
 # The side-by-side benchmark (not a test): starts its own servers.
 bench: setup-tests
 	$(VENV)/dedup bench
+
+# The load test (not a test): throwaway Redis and PostgreSQL, `dedup serve`, locust headless
+# for a bounded time per phase, then items/s and failures. Flags: make load LOAD_ARGS="--seconds 60".
+load: setup-tests
+	$(VENV)/python loadtest/run.py $(LOAD_ARGS)
 
 clean:
 	rm -rf .venv .dedup .pytest_cache .mypy_cache .ruff_cache
