@@ -26,6 +26,7 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
+from dedup.keys import KeySpace, digest
 from tests.servers import PostgresCluster, RedisServer
 from tests.test_service import (
     ROOT,
@@ -43,7 +44,9 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MAX_BODY = 32768
 MAX_ITEMS = 20
 SCHEMATHESIS_TIMEOUT_S = 240.0
-MAX_EXAMPLES = 60
+# A fixed seed keeps CI repeatable; FUZZ_HTTP_SEED / FUZZ_HTTP_EXAMPLES widen a hunt by hand.
+MAX_EXAMPLES = int(os.environ.get("FUZZ_HTTP_EXAMPLES", "60"))
+SEED = os.environ.get("FUZZ_HTTP_SEED", "1")
 
 
 @dataclass
@@ -54,7 +57,9 @@ class Fuzzed:
 
 
 @pytest.fixture(scope="module")
-def fuzzed(pg_cluster: PostgresCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
+def fuzzed(
+    pg_cluster: PostgresCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Fuzzed]:
     """One service for the module: its own redis-server and database, a token, small limits."""
     name = f"fuzz_http_{os.getpid()}"
     url = pg_cluster.create_database(name)
@@ -118,7 +123,7 @@ def test_schemathesis_finds_nothing(fuzzed: Fuzzed, tmp_path: Path) -> None:
         "--workers",
         "2",
         "--seed",
-        "1",
+        SEED,
         "--request-timeout",
         "30",
         "--generation-database",
@@ -146,3 +151,149 @@ def test_schemathesis_finds_nothing(fuzzed: Fuzzed, tmp_path: Path) -> None:
     assert "No issues found" in report or " passed" in report, report[-5000:]
     assert fuzzed.svc.proc.poll() is None, "the service died under the fuzz"
     assert TOKEN not in fuzzed.svc.log_text()
+
+
+# ----------------------------------------------------------------------------- explicit
+
+JSON = {**AUTH, "Content-Type": "application/json"}
+
+
+def _nest(depth: int) -> Any:
+    node: Any = "leaf"
+    for _ in range(depth):
+        node = [node]
+    return node
+
+
+async def assert_nothing_saved(fuzzed: Fuzzed, kind: str, values: list[str]) -> None:
+    """No row of ``kind``, and no Redis key (no lease, no marker) for any of ``values``."""
+    assert await count_rows(fuzzed.database_url, kind) == 0
+    space = KeySpace("dedup")
+    client = aioredis.Redis.from_url(fuzzed.redis.url)
+    try:
+        assert await client.exists(*(space.key(kind, digest(v)) for v in values)) == 0
+    finally:
+        await client.aclose()
+
+
+async def post(
+    http: aiohttp.ClientSession, path: str, body: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    status, answer, _ = await request(http, "POST", path, body=body, headers=headers or JSON)
+    return status, answer
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xff\xfe",  # not UTF-8 at all
+        b"\xc0\xaf",  # an overlong encoding of "/"
+        b"\xed\xa0\x80",  # a UTF-16 surrogate encoded as if it were a character (CESU-8)
+        b"\xe2\x82",  # a truncated sequence
+        b"\x80",  # a lone continuation byte
+    ],
+)
+async def test_invalid_utf8_in_a_string_is_400(
+    fuzzed: Fuzzed, http: aiohttp.ClientSession, raw: bytes
+) -> None:
+    kind = "utf8-" + raw.hex()
+    single = b'{"kind": "' + kind.encode() + b'", "value": "a' + raw + b'b"}'
+    batch = b'{"items": [{"kind": "' + kind.encode() + b'", "value": "ok"}, ' + single + b"]}"
+    for path, body in (("/v1/save", single), ("/v1/save/batch", batch)):
+        status, answer = await post(http, path, body)
+        assert status == 400, (path, answer)
+        assert_error(status, answer, "malformed_json")
+    await assert_nothing_saved(fuzzed, kind, ["ok"])
+
+
+async def test_deep_payloads(fuzzed: Fuzzed, http: aiohttp.ClientSession) -> None:
+    # Deeper than the JSON parser goes: not JSON it will read.
+    too_deep = b'{"kind": "deep", "value": "a", "payload": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    status, answer = await post(http, "/v1/save", too_deep)
+    assert_error(status, answer, "malformed_json")
+    assert status == 400
+    # Parsed, but deeper than a payload may be (the encoder's bound): 422 on the payload.
+    deep = b"[" * 600 + b'"leaf"' + b"]" * 600  # orjson would not even write it
+    item_c = b'{"kind": "deep", "value": "c", "payload": ' + deep + b"}"
+    for path, body in (
+        ("/v1/save", b'{"kind": "deep", "value": "b", "payload": ' + deep + b"}"),
+        ("/v1/save/batch", b'{"items": [' + item_c + b"]}"),
+    ):
+        status, answer = await post(http, path, body)
+        error = assert_error(status, answer, "invalid_input")
+        assert status == 422 and error["field"] == "payload", answer
+    await assert_nothing_saved(fuzzed, "deep", ["a", "b", "c"])
+    # Deep but within bounds: saved, and stored as sent.
+    status, answer = await post(
+        http, "/v1/save", orjson.dumps({"kind": "deep", "value": "d", "payload": _nest(100)})
+    )
+    assert (status, answer) == (201, {"created": True, "source": "write"})
+    conn = await asyncpg.connect(fuzzed.database_url)
+    try:
+        stored = await conn.fetchval("SELECT payload::text FROM dedup_items WHERE kind = 'deep'")
+    finally:
+        await conn.close()
+    assert orjson.loads(stored) == _nest(100)
+
+
+async def test_batches_over_the_limits(fuzzed: Fuzzed, http: aiohttp.ClientSession) -> None:
+    values = [f"v{i}" for i in range(MAX_ITEMS + 1)]
+    items = [{"kind": "huge", "value": v} for v in values]
+    status, answer = await post(http, "/v1/save/batch", orjson.dumps({"items": items}))
+    error = assert_error(status, answer, "invalid_input")
+    assert status == 422 and error["field"] == "items" and str(MAX_ITEMS) in error["message"]
+    # Few items, but a body over max_body_bytes: refused before it is parsed.
+    fat = [{"kind": "huge", "value": v, "payload": "p" * (MAX_BODY // 4)} for v in values[:5]]
+    status, answer = await post(http, "/v1/save/batch", orjson.dumps({"items": fat}))
+    assert status == 413
+    assert_error(status, answer, "body_too_large")
+    # A value over max_value_bytes (the default, 8192 UTF-8 bytes) in the last item.
+    last = [*items[:3], {"kind": "huge", "value": "\N{EURO SIGN}" * 2731}]
+    status, answer = await post(http, "/v1/save/batch", orjson.dumps({"items": last}))
+    error = assert_error(status, answer, "invalid_input")
+    assert (status, error["index"], error["field"]) == (422, 3, "value")
+    await assert_nothing_saved(fuzzed, "huge", values)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field", "index"),
+    [
+        ("/v1/save", {"kind": "unk", "value": "a", "extra": 1}, "extra", None),
+        ("/v1/save", {"kind": "unk", "value": "a", "payload": None, "Kind": "x"}, "Kind", None),
+        ("/v1/save/batch", {"items": [{"kind": "unk", "value": "a"}], "extra": []}, "extra", None),
+        ("/v1/save/batch", {"item": []}, "item", None),
+        (
+            "/v1/save/batch",
+            {"items": [{"kind": "unk", "value": "a"}, {"kind": "unk", "value": "b", "v": 1}]},
+            "v",
+            1,
+        ),
+    ],
+)
+async def test_unknown_fields_are_422(
+    fuzzed: Fuzzed,
+    http: aiohttp.ClientSession,
+    path: str,
+    body: dict[str, Any],
+    field: str,
+    index: int | None,
+) -> None:
+    status, answer = await post(http, path, orjson.dumps(body))
+    error = assert_error(status, answer, "invalid_input")
+    assert status == 422 and error["field"] == field and error.get("index") == index, answer
+    await assert_nothing_saved(fuzzed, "unk", ["a", "b"])
+
+
+@pytest.mark.parametrize("body", [b"[]", b'"text"', b"1", b"null", b"true", b'[{"kind": "k"}]'])
+@pytest.mark.parametrize("path", ["/v1/save", "/v1/save/batch"])
+async def test_json_that_is_not_an_object_is_422(
+    http: aiohttp.ClientSession, path: str, body: bytes
+) -> None:
+    status, answer = await post(http, path, body)
+    error = assert_error(status, answer, "invalid_input")
+    assert status == 422 and error["field"] is None, answer
+    # Nor is an item that is not an object.
+    items = b'{"items": [{"kind": "k", "value": "v"}, ' + body + b"]}"
+    status, answer = await post(http, "/v1/save/batch", items)
+    error = assert_error(status, answer, "invalid_input")
+    assert (status, error["index"]) == (422, 1), answer
