@@ -14,9 +14,9 @@ a free port, then runs locust headless once per phase, each for ``--seconds``:
 
 Each phase writes ``<out>/<phase>_stats.csv`` (and the other CSVs), ``<out>/<phase>.html``
 and ``<out>/<phase>.log``; its items go to a kind of its own (``load-<phase>``). The summary
-reads locust's CSV: requests, failures, requests/s and items/s per phase, and checks that
-the table holds exactly one row per distinct value answered and one ``created`` answer per
-row. Exit status 0 only when every phase had requests, no failure, and those checks pass.
+reads locust's CSV (requests/s, items/s, percentiles) and its JSON file (the final request
+and failure counts) per phase, and checks that the table holds exactly one row per distinct
+value answered and one ``created`` answer per row. Exit status 0 only when every phase had requests, no failure, and those checks pass.
 
 Everything started here is stopped by its PID at the end, also on Ctrl-C or SIGTERM; every
 wait is bounded (locust runs for ``--seconds`` plus at most ``--stop-timeout``).
@@ -101,6 +101,13 @@ def parse_stats(path: Path) -> dict[str, dict[str, str]]:
     """locust's ``*_stats.csv``: its rows by name (``Aggregated`` is the total)."""
     with open(path, newline="") as f:
         return {row["Name"]: row for row in csv.DictReader(f)}
+
+
+def read_totals(path: Path) -> tuple[int, int]:
+    """(requests, failures) from locust's ``--json-file``, which is written once at the very
+    end; the CSV is a snapshot rewritten every second, so it may miss the last second."""
+    entries = json.loads(path.read_text())
+    return sum(e["num_requests"] for e in entries), sum(e["num_failures"] for e in entries)
 
 
 def read_record(path: Path) -> tuple[set[str], int]:
@@ -223,7 +230,7 @@ def run_phase(
         "-f", str(HERE / locustfile), "--headless", "--only-summary",
         "-u", str(args.users), "-r", str(args.users), "-t", f"{args.seconds}s",
         "--stop-timeout", str(STOP_TIMEOUT_S), "--csv", str(prefix),
-        "--html", str(out / f"{phase}.html"), "--loglevel", "INFO",
+        "--html", str(out / f"{phase}.html"), "--json-file", str(prefix), "--loglevel", "INFO",
     ]  # fmt: skip
     if row_name is not None:
         argv += ["--host", service.url]
@@ -234,14 +241,14 @@ def run_phase(
     code = run_locust(argv, phase_env, out / f"{phase}.log", timeout)
     stats = parse_stats(Path(f"{prefix}_stats.csv"))
     total = stats["Aggregated"]
-    requests = int(total["Request Count"])
+    requests, failures = read_totals(Path(f"{prefix}.json"))
     per_s = float(total["Requests/s"])
     items = args.batch if phase == "batch" else 1
     answered, created = read_record(record)
     return PhaseResult(
         phase=phase,
         requests=requests,
-        failures=int(total["Failure Count"]),
+        failures=failures,
         requests_per_s=per_s,
         items_per_s=per_s * items,
         p50_ms=float(total["50%"] or 0),
