@@ -30,7 +30,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import NoPermissionError, RedisError
 
 from dedup.claims import CLUSTER_SCHEMES, REDIS_SCHEMES, Claims, connect_redis, unlink_matching
 from dedup.embedded import DataDirLock, EmbeddedRedis
@@ -64,9 +64,16 @@ _WAKE_TICK_S = 0.005
 _INFLIGHT = _RESULTS["inflight"]
 
 
+# user:password@ up to the LAST @ of a non-blank run: a password with an unescaped
+# "/" or "@" is hidden whole (hiding too much is the safe way to be wrong).
+_URL_PASSWORD = re.compile(r"(//[^\s:/?#@]*:)[^\s]*@")
+# ?password=, &ssl_password=... as redis-py and libpq read them from the query.
+_QUERY_PASSWORD = re.compile(r"([?&][a-z_]*password=)[^&#\s]*", re.IGNORECASE)
+
+
 def redact(url: str) -> str:
-    """``url`` with any password replaced, for messages and logs."""
-    return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url)
+    """``url`` (or a message holding URLs) with every password replaced, for messages and logs."""
+    return _QUERY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", url))
 
 
 class _Flight:
@@ -332,6 +339,16 @@ class Gateway:
         assert self._redis is not None
         try:
             info: Any = await self._redis.info("memory")
+        except NoPermissionError as exc:
+            # An ACL user without +info: the policy cannot be read. Say so, not "cannot connect".
+            if self._allow_eviction:
+                log.warning("Redis user may not run INFO: maxmemory-policy not checked (allowed)")
+                return
+            raise ConfigError(
+                f"the Redis user of {redact(url)} may not run INFO ({exc}), which dedup needs to "
+                "check maxmemory-policy: grant it (ACL SETUSER <user> +info) or pass "
+                "allow_eviction=True"
+            ) from exc
         except (RedisError, OSError) as exc:
             raise Unavailable(
                 f"cannot connect to Redis at {redact(url)}: {exc}", component="redis"
