@@ -12,6 +12,14 @@ A save goes through, in order:
 
 Busy values are re-claimed in later batches with jittered backoff until they are
 saved, their lease expires (then they are taken over) or ``wait_timeout_s`` passes.
+
+Degraded mode: when Redis stops answering (a circuit breaker, :mod:`dedup.breaker`,
+opens on consecutive connection errors or one timeout), claims skip Redis and values
+go straight to write batches, where the database's unique key decides who created
+the row. Admission control keeps the database from being flooded: at most
+``degraded_max_statements`` statements at once, and a queue bounded in length and
+in waiting time, past which saves raise ``Overloaded``. A PING probe closes the
+circuit when Redis answers again, and normal mode resumes by itself.
 """
 
 from __future__ import annotations
@@ -30,8 +38,11 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from dedup.breaker import CircuitBreaker
 from dedup.claims import CLUSTER_SCHEMES, REDIS_SCHEMES, Claims, connect_redis, unlink_matching
 from dedup.embedded import DataDirLock, EmbeddedRedis
 from dedup.errors import ConfigError, DedupError, InvalidInput, Overloaded, Unavailable, WaitTimeout
@@ -80,7 +91,7 @@ class _Flight:
     """One value on its way through claim, wait and write; shared by its callers."""
 
     __slots__ = ("backoff", "claimed_at", "deadline", "digest", "done", "key", "kind",
-                 "payload_json", "value", "waiters")  # fmt: skip
+                 "payload_json", "queued_until", "value", "waiters")  # fmt: skip
 
     def __init__(
         self,
@@ -104,6 +115,7 @@ class _Flight:
         self.deadline = deadline
         self.claimed_at = 0.0
         self.backoff = 0.0
+        self.queued_until = 0.0  # degraded mode: Overloaded if not written by then
 
 
 class Gateway:
@@ -137,6 +149,15 @@ class Gateway:
     - ``allow_eviction=False``: start even if Redis may evict keys (unsafe).
     - ``cluster_shards=0``: hash-tag shards per namespace; 0 means none on a single
       server and 64 on a cluster (a batch then needs at most 64 script calls).
+    - ``breaker_failures=3``: consecutive Redis connection errors that open the circuit
+      (degraded mode); one timeout of ``redis_timeout_s`` opens it at once.
+    - ``breaker_cooldown_s=1.0``: time the circuit stays open before a PING probe
+      (jittered by +-20 %); a failed probe opens it for another cooldown.
+    - ``degraded_max_statements=2``: database statements in flight at once in degraded mode.
+    - ``degraded_max_queue=10_000``: values waiting for a degraded statement before
+      saves raise ``Overloaded``.
+    - ``degraded_queue_timeout_s=1.0``: a value not sent to the database within this
+      long in degraded mode fails with ``Overloaded``.
     """
 
     def __init__(
@@ -162,6 +183,11 @@ class Gateway:
         migrate: bool | None = None,
         allow_eviction: bool = False,
         cluster_shards: int = 0,
+        breaker_failures: int = 3,
+        breaker_cooldown_s: float = 1.0,
+        degraded_max_statements: int = 2,
+        degraded_max_queue: int = 10_000,
+        degraded_queue_timeout_s: float = 1.0,
     ) -> None:
         if sink is not None and database_url is not None:
             raise ConfigError("pass either database_url or sink, not both")
@@ -179,11 +205,16 @@ class Gateway:
             ("max_claim_batches", max_claim_batches),
             ("max_write_batches", max_write_batches),
             ("max_pending", max_pending),
+            ("breaker_failures", breaker_failures),
+            ("degraded_max_statements", degraded_max_statements),
+            ("degraded_max_queue", degraded_max_queue),
         ):
             if number < 1:
                 raise ConfigError(f"{name} must be at least 1")
         if wait_timeout_s <= 0 or redis_timeout_s <= 0:
             raise ConfigError("wait_timeout_s and redis_timeout_s must be positive")
+        if not (breaker_cooldown_s > 0 and degraded_queue_timeout_s > 0):
+            raise ConfigError("breaker_cooldown_s and degraded_queue_timeout_s must be positive")
         if retention_s is not None and retention_s <= 0:
             raise ConfigError("retention_s must be positive or None")
         if cluster_shards == 0 and redis_url is not None and redis_url.startswith(CLUSTER_SCHEMES):
@@ -224,6 +255,15 @@ class Gateway:
         self._max_backoff_s = min(0.1, self._lease_s / 4)
 
         self._stats = Stats()
+        self._breaker = CircuitBreaker(failures=breaker_failures, cooldown_s=breaker_cooldown_s)
+        self._probing = False
+        self._degraded_max_statements = degraded_max_statements
+        self._degraded_max_queue = degraded_max_queue
+        self._degraded_queue_timeout_s = degraded_queue_timeout_s
+        self._degraded_q: list[_Flight] = []
+        self._degraded_running = 0
+        self._degraded_scheduled = False
+        self._degraded_timer: asyncio.TimerHandle | None = None
         self._kinds_ok: set[str] = set()
         self._inflight: dict[bytes, _Flight] = {}
         self._claim_q: list[_Flight] = []
@@ -395,6 +435,9 @@ class Gateway:
         if self._wait_timer is not None:
             self._wait_timer.cancel()
             self._wait_timer = None
+        if self._degraded_timer is not None:
+            self._degraded_timer.cancel()
+            self._degraded_timer = None
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -402,9 +445,11 @@ class Gateway:
             await asyncio.wait(tasks, timeout=5)
         closed = DedupError("the Gateway was closed before this save finished")
         leftovers = [f for _, _, f in self._waiting] + self._claim_q + self._write_q
+        leftovers += self._degraded_q
         self._waiting.clear()
         self._claim_q.clear()
         self._write_q.clear()
+        self._degraded_q.clear()
         for flight in leftovers:
             self._fail(flight, closed)
         for flight in list(self._inflight.values()):
@@ -441,6 +486,12 @@ class Gateway:
     def stats(self) -> Stats:
         """A snapshot of the counters (answers per tier, round trips, statements, rows)."""
         return self._stats.copy()
+
+    @property
+    def degraded(self) -> bool:
+        """True while Redis is skipped (the circuit is open or half-open): saves are
+        decided by the database's unique key alone, under admission control."""
+        return not self._breaker.closed
 
     @property
     def pending(self) -> int:
@@ -560,8 +611,12 @@ class Gateway:
                 return False
             try:
                 await asyncio.wait_for(client.ping(), timeout_s)
-            except (RedisError, OSError, TimeoutError):
+            except (RedisError, OSError, TimeoutError) as exc:
+                # A failed readiness PING counts like a failed call (never as a timeout
+                # of redis_timeout_s): an idle gateway still learns that Redis is gone.
+                self._redis_failed(exc, may_time_out=False)
                 return False
+            self._breaker.success()
             return True
 
         async def database_ok() -> bool:
@@ -638,6 +693,10 @@ class Gateway:
         """Send queued claims, ``max_batch`` keys a call, up to ``max_claim_batches`` at once."""
         self._claim_scheduled = False
         queue, size = self._claim_q, self._max_batch
+        if not self._breaker.closed:
+            self._degrade(queue)
+            queue.clear()
+            return
         while queue and self._claims_running < self._max_claim_batches:
             if self._claims_running and len(queue) < self._min_fill:
                 break  # a batch in flight will flush us when it ends: let this one grow
@@ -650,6 +709,11 @@ class Gateway:
         """Send queued winners to the sink, up to ``max_write_batches`` statements at once."""
         self._write_scheduled = False
         queue, size = self._write_q, self._max_batch
+        if not self._breaker.closed:
+            # Winners too go through the degraded admission: one bound on statements.
+            self._degrade(queue)
+            queue.clear()
+            return
         while queue and self._writes_running < self._max_write_batches:
             if self._writes_running and len(queue) < self._min_fill:
                 break  # as for claims: an idle pipeline sends at once, a busy one batches
@@ -677,9 +741,14 @@ class Gateway:
                 letters = await claims.claim([f.key for f in batch])
             except (RedisError, OSError) as exc:
                 self._stats.redis_errors += 1
+                if self._redis_failed(exc):
+                    # The claim may or may not have run; either way the database decides.
+                    self._degrade(batch)
+                    return
                 for f in batch:
                     self._fail(f, Unavailable(f"Redis failed a claim: {exc!r}", component="redis"))
                 return
+            self._breaker.success()
             self._stats.claim_batches += 1
             won = False
             for f, letter in zip(batch, letters, strict=True):
@@ -744,6 +813,8 @@ class Gateway:
                 else:
                     self._stats.db += 1
                     self._resolve(f, "db")
+            if not self._breaker.closed:
+                return  # Redis is skipped: the leases expire, the markers are not set
             try:
                 held = await claims.commit(keys)
                 self._stats.lost_leases += len(keys) - held
@@ -751,7 +822,10 @@ class Gateway:
                 # The rows are committed and the callers answered; a missing marker
                 # only costs the next claimant a redundant (conflicting) insert.
                 self._stats.redis_errors += 1
+                self._redis_failed(exc)
                 log.warning("could not mark %d saved values in Redis: %s", len(keys), exc)
+            else:
+                self._breaker.success()
         except BaseException as exc:
             self._fail_unfinished(batch, exc)
             raise
@@ -759,15 +833,155 @@ class Gateway:
             self._writes_running -= 1
             if self._write_q:
                 self._schedule(claims=False)
+            if self._degraded_q:
+                self._schedule_degraded()
 
     async def _abort(self, keys: list[bytes]) -> None:
         claims = self._claims
         assert claims is not None
+        if not self._breaker.closed:
+            return  # Redis is skipped; the leases expire on their own
         try:
             await claims.abort(keys)
         except (RedisError, OSError) as exc:
             self._stats.redis_errors += 1
+            self._redis_failed(exc)
             log.warning("could not release %d leases (they expire anyway): %s", len(keys), exc)
+
+    # ----------------------------------------------------------------- degraded mode
+
+    def _redis_failed(self, exc: BaseException, *, may_time_out: bool = True) -> bool:
+        """Report a failed Redis call to the breaker; True while Redis is to be skipped.
+
+        Connection errors count toward ``breaker_failures``; a timeout (the call waited
+        ``redis_timeout_s``) opens the circuit at once. Errors Redis answered with (a
+        script error, say) prove it is up and do not count.
+        """
+        timeout = isinstance(exc, RedisTimeoutError | TimeoutError)
+        unreachable = timeout or isinstance(exc, RedisConnectionError | OSError)
+        if unreachable and self._breaker.failure(timeout=timeout and may_time_out):
+            self._stats.breaker_opens += 1
+            log.warning("Redis failed (%r): circuit open, serving through the database alone", exc)
+            if not self._probing and self._state == "open":
+                self._probing = True
+                self._spawn(self._probe())
+        return not self._breaker.closed
+
+    async def _probe(self) -> None:
+        """While the circuit is open: one PING per cooldown until Redis answers."""
+        breaker, client = self._breaker, self._redis
+        assert client is not None
+        try:
+            while not breaker.closed:
+                await asyncio.sleep(breaker.probe_delay_s())
+                if not breaker.try_probe():
+                    continue
+                self._stats.redis_round_trips += 1
+                try:
+                    await asyncio.wait_for(client.ping(), self._redis_timeout_s)
+                except (RedisError, OSError, TimeoutError):
+                    breaker.probe_done(False)
+                else:
+                    breaker.probe_done(True)
+        finally:
+            self._probing = False
+        log.warning("Redis answers again: circuit closed, normal mode resumes")
+        if self._claim_q:
+            self._schedule(claims=True)
+
+    def _degrade(self, flights: Iterable[_Flight]) -> None:
+        """Queue ``flights`` for degraded writes; beyond the queue bound, refuse them."""
+        loop = self._loop
+        assert loop is not None
+        until = loop.time() + self._degraded_queue_timeout_s
+        queue = self._degraded_q
+        for f in flights:
+            if len(queue) >= self._degraded_max_queue:
+                self._stats.overloaded += 1
+                self._fail(f, Overloaded("degraded mode: the database queue is full; retry later"))
+            else:
+                f.queued_until = until
+                queue.append(f)
+        self._schedule_degraded()
+
+    def _schedule_degraded(self) -> None:
+        if not self._degraded_scheduled:
+            self._degraded_scheduled = True
+            loop = self._loop
+            assert loop is not None
+            loop.call_soon(self._flush_degraded)
+
+    def _flush_degraded(self) -> None:
+        """Refuse values queued too long; start statements while under the bound."""
+        loop = self._loop
+        assert loop is not None
+        self._degraded_scheduled = False
+        if self._degraded_timer is not None:
+            self._degraded_timer.cancel()
+            self._degraded_timer = None
+        queue, now = self._degraded_q, loop.time()
+        # Entries share one timeout and are appended in time order: the expired are a prefix.
+        expired = 0
+        while expired < len(queue) and queue[expired].queued_until <= now:
+            expired += 1
+        if expired:
+            stale = queue[:expired]
+            del queue[:expired]
+            self._stats.overloaded += expired
+            for f in stale:
+                self._fail(
+                    f,
+                    Overloaded(
+                        f"degraded mode: not written within {self._degraded_queue_timeout_s} s; "
+                        "retry later"
+                    ),
+                )
+        size = self._max_batch
+        while queue and (
+            self._degraded_running + self._writes_running < self._degraded_max_statements
+        ):
+            batch = queue[:size]
+            del queue[:size]
+            self._degraded_running += 1
+            self._spawn(self._run_degraded(batch))
+        if queue:
+            self._degraded_timer = loop.call_at(queue[0].queued_until, self._flush_degraded)
+
+    async def _run_degraded(self, batch: list[_Flight]) -> None:
+        """One statement for a degraded batch: the unique key alone decides ``created``."""
+        sink = self._sink
+        assert sink is not None
+        try:
+            batch.sort(key=_row_order)
+            rows = [Row(f.kind, f.digest, f.value, f.payload_json) for f in batch]
+            self._stats.db_statements += 1
+            self._stats.db_rows_sent += len(rows)
+            self._stats.write_batches += 1
+            try:
+                inserted = set(await asyncio.wait_for(sink(rows), self._write_timeout_s))
+            except Exception as exc:
+                self._stats.db_errors += 1
+                what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc!r}"
+                for f in batch:
+                    self._fail(f, Unavailable(f"the database write {what}", component="database"))
+                return
+            self._stats.degraded_answers += len(batch)
+            for f in batch:
+                if (f.kind, f.digest) in inserted:
+                    self._stats.write += 1
+                    self._resolve(f, "write")
+                else:
+                    self._stats.db += 1
+                    self._resolve(f, "db")
+        except BaseException as exc:
+            self._fail_unfinished(batch, exc)
+            raise
+        finally:
+            self._degraded_running -= 1
+            if self._degraded_q:
+                self._schedule_degraded()
+
+    # ----------------------------------------------------------------- waiting
 
     def _wait(self, f: _Flight) -> None:
         """Another writer holds the lease: check again later, with jittered backoff."""
@@ -835,8 +1049,9 @@ class Gateway:
             log.exception("internal error in a batch", exc_info=exc)
             error = DedupError(f"internal error: {exc!r}")
         for f in batch:
-            if not f.done and f not in self._claim_q and f not in self._write_q:
-                self._fail(f, error)
+            if f.done or f in self._claim_q or f in self._write_q or f in self._degraded_q:
+                continue
+            self._fail(f, error)
 
 
 def _row_order(f: _Flight) -> tuple[str, bytes]:

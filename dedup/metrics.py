@@ -21,6 +21,9 @@ class Stats:
     was nearly spent and was renewed before writing), ``lost_leases`` (rows
     committed after the lease had passed to someone else), ``wait_timeouts``,
     ``redis_errors``, ``db_errors``, ``overloaded``.
+    Degraded mode: ``breaker_opens`` (times the circuit opened because Redis
+    failed) and ``degraded_answers`` (values answered by a degraded write, with
+    Redis skipped; they are also counted in ``write`` or ``db``).
     """
 
     local: int = 0
@@ -40,6 +43,8 @@ class Stats:
     redis_errors: int = 0
     db_errors: int = 0
     overloaded: int = 0
+    breaker_opens: int = 0
+    degraded_answers: int = 0
 
     @property
     def answers(self) -> int:

@@ -64,6 +64,11 @@ class Settings:
     max_payload_bytes: int = 65536
     allow_eviction: bool = False
     cluster_shards: int = 0
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 1.0
+    degraded_max_statements: int = 2
+    degraded_max_queue: int = 10_000
+    degraded_queue_timeout_s: float = 1.0
 
     def gateway_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :class:`dedup.Gateway`."""
