@@ -18,7 +18,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.crc import key_slot
-from redis.exceptions import ConnectionError
+from redis.exceptions import ConnectionError, RedisError
 
 from dedup.errors import ConfigError
 from dedup.metrics import Stats
@@ -43,17 +43,30 @@ def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis 
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
     }
-    for scheme in CLUSTER_SCHEMES:
-        if url.startswith(scheme):
-            plain = url.replace("+cluster", "", 1)
-            return RedisCluster.from_url(plain, max_connections=max_connections, **common)
     if not url.startswith(REDIS_SCHEMES):
         raise ConfigError(f"redis_url must start with one of {', '.join(REDIS_SCHEMES)}")
-    # A pooled connection that died with a restarted server fails on its next use:
-    # retry such errors twice on a fresh connection (every script here is safe to
-    # repeat), but not timeouts, which would multiply the wait on a slow server.
-    retry = Retry(ExponentialBackoff(cap=0.05, base=0.005), 2, supported_errors=(ConnectionError,))
-    pool = ConnectionPool.from_url(url, max_connections=max_connections, retry=retry, **common)
+    # redis-py reads the URL's query arguments as connection options (TLS files, for
+    # example: rediss://host/0?ssl_ca_certs=/path/ca.crt) and only fails on a wrong one
+    # when it first connects, with a TypeError: check them here, with no I/O, so that a
+    # mistake is a ConfigError at once. The messages name options, never their values.
+    try:
+        for scheme in CLUSTER_SCHEMES:
+            if url.startswith(scheme):
+                plain = url.replace("+cluster", "", 1)
+                cluster = RedisCluster.from_url(plain, max_connections=max_connections, **common)
+                return cluster
+        # A pooled connection that died with a restarted server fails on its next use:
+        # retry such errors twice on a fresh connection (every script here is safe to
+        # repeat), but not timeouts, which would multiply the wait on a slow server.
+        retry = Retry(
+            ExponentialBackoff(cap=0.05, base=0.005), 2, supported_errors=(ConnectionError,)
+        )
+        pool = ConnectionPool.from_url(url, max_connections=max_connections, retry=retry, **common)
+        pool.connection_class(**pool.connection_kwargs)  # builds options, opens nothing
+    except (TypeError, ValueError, RedisError) as exc:
+        raise ConfigError(
+            f"redis_url has an option redis-py cannot use (ssl_* ones need rediss://): {exc}"
+        ) from None
     return Redis.from_pool(pool)  # the client owns the pool and closes it in aclose()
 
 
