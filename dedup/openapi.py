@@ -32,8 +32,7 @@ ERROR_CODES: dict[str, str] = {
     "acknowledged; retry after Retry-After.",
     "wait_timeout": "503: another writer held the value for longer than wait_timeout_s; retry "
     "after Retry-After.",
-    "not_ready": "503 from /readyz: Redis or the database cannot be reached, or the process "
-    "is draining.",
+    "not_ready": "503 from /readyz: the database cannot be reached, or the process is draining.",
 }
 """Every ``error.code`` the service sends, with its status and meaning."""
 
@@ -162,10 +161,11 @@ def openapi_document(
             "/readyz": {
                 "get": {
                     "operationId": "readyz",
-                    "summary": "Redis and the database answer: this process can serve.",
+                    "summary": "The database answers: this process can serve.",
                     "description": (
-                        "`degraded` is true while serving through the database alone; the "
-                        "degraded mode is not built yet, so it is always false for now."
+                        "`degraded` is true while Redis is skipped (down or slow: the circuit "
+                        "is open) and saves go through the database's unique key alone; "
+                        "`checks` tells which server answered."
                     ),
                     "security": [],
                     "responses": {

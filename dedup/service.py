@@ -212,7 +212,9 @@ _STAT_HELP = {
     "wait_timeouts": "Saves that waited longer than wait_timeout_s for another writer.",
     "redis_errors": "Redis calls that failed.",
     "db_errors": "Database writes that failed.",
-    "overloaded": "Saves refused because too many were in flight.",
+    "overloaded": "Saves refused because too many were in flight (or, degraded, queued too long).",
+    "breaker_opens": "Times the circuit opened because Redis failed or stalled (degraded mode).",
+    "degraded_answers": "Values answered by a degraded write (Redis skipped); also in write/db.",
 }
 _SOURCES = ("local", "inflight", "redis", "db", "write")
 
@@ -275,8 +277,7 @@ class ServiceMetrics:
         header(
             "dedup_degraded",
             "gauge",
-            "1 while serving through the database alone (Redis down); always 0 until the "
-            "degraded mode exists.",
+            "1 while serving through the database alone (Redis down or slow: circuit open).",
         )
         out.append(f"dedup_degraded {int(degraded)}")
         header("process_start_time_seconds", "gauge", "Start time of this process (Unix time).")
@@ -494,7 +495,9 @@ async def _readyz(request: web.Request) -> web.Response:
             503, "not_ready", "draining: this process is shutting down", headers=state.retry_after
         )
     checks = await state.gateway.ping(timeout_s=state.settings.ready_timeout_s)
-    if not all(checks.values()):
+    # Without Redis the gateway still serves (degraded, through the database's unique
+    # key); without the database it cannot acknowledge anything.
+    if not checks["database"]:
         down = ", ".join(name for name, up in checks.items() if not up)
         raise _ApiError(
             503,
@@ -503,16 +506,17 @@ async def _readyz(request: web.Request) -> web.Response:
             headers=state.retry_after,
             checks=checks,
         )
-    # The degraded mode (serving through the database alone) comes later: false until then.
+    degraded = state.gateway.degraded
     return web.Response(
-        body=orjson.dumps({"ready": True, "degraded": False, "checks": checks}), content_type=_JSON
+        body=orjson.dumps({"ready": True, "degraded": degraded, "checks": checks}),
+        content_type=_JSON,
     )
 
 
 async def _metrics(request: web.Request) -> web.Response:
     state = _state(request)
     gw = state.gateway
-    text = state.metrics.render(gw.stats(), pending=gw.pending, degraded=False)
+    text = state.metrics.render(gw.stats(), pending=gw.pending, degraded=gw.degraded)
     return web.Response(
         body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
     )
