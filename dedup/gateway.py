@@ -521,12 +521,15 @@ class Gateway:
         payload_json = None if payload is None else encode_payload(payload, self._limits)
         if self._state != "open":
             raise DedupError(f"the Gateway is {self._state}, not open")
+        salt = self._local.salts.get(kind)
+        if salt is not None:  # the local tier, inline (SavedCache.__contains__): most answers
+            saved = self._local.entries
+            local_key = salt ^ int.from_bytes(digest, "little")
+            if saved.pop(local_key, 0) is None:  # found: now the most recently used
+                saved[local_key] = None
+                self._stats.local += 1
+                return _LOCAL
         key = self._keys.key(kind, digest)
-        saved = self._local.entries
-        if key in saved:  # the local tier, inline: most answers end here
-            saved.move_to_end(key)
-            self._stats.local += 1
-            return _LOCAL
         fut, shared = self._submit_new(key, kind, value, digest, payload_json)
         source = await fut
         if shared:
@@ -652,11 +655,10 @@ class Gateway:
         """Route one validated value: None when known saved, else its future and whether shared."""
         if self._state != "open":
             raise DedupError(f"the Gateway is {self._state}, not open")
-        key = self._keys.key(kind, digest)
-        if key in self._local:
+        if (kind, digest) in self._local:
             self._stats.local += 1
             return None
-        return self._submit_new(key, kind, value, digest, payload_json)
+        return self._submit_new(self._keys.key(kind, digest), kind, value, digest, payload_json)
 
     def _submit_new(
         self, key: bytes, kind: str, value: str, digest: bytes, payload_json: str | None
@@ -1027,7 +1029,7 @@ class Gateway:
     def _resolve(self, f: _Flight, source: Source) -> None:
         if self._inflight.get(f.key) is f:
             del self._inflight[f.key]
-        self._local.add(f.key)
+        self._local.add(f.kind, f.digest)
         f.done = True
         for waiter in f.waiters:
             if not waiter.done():  # a cancelled caller's future is done already

@@ -2,57 +2,116 @@
 
 "Saved" is monotonic (a committed row stays committed), so a hit needs no
 network and never goes stale. Only committed values enter; nothing in progress.
+
+Memory is the point of this module's shape: a cache of 100,000 entries sits in
+every gateway process. An entry is
+
+- a 128-bit ``int`` (44 bytes; 48 as allocated): the value's 16-byte digest XOR a
+  128-bit digest of its kind, instead of the ~30-byte Redis key (63 bytes as an
+  object; 64 allocated);
+- in a plain ``dict`` whose insertion order is the recency order (a hit moves its
+  key to the end by deleting and re-inserting it), instead of an ``OrderedDict``,
+  which adds a 32-byte linked-list node and an 8-byte slot per table entry.
+
+Two (kind, value) pairs share an entry only if ``D(v1) ^ D(v2) == K(k1) ^ K(k2)``
+with D and K BLAKE2b-128: for one kind that is a collision of the value digest,
+which the database key ``(kind, digest)`` already relies on never happening;
+across kinds it is a 128-bit target, no easier to hit.
+
+Eviction takes the least recently used keys from the front of the dict. Keys
+deleted there leave holes that the next scan from the front must step over until
+the dict compacts itself, so evicting one key at a time would cost a scan over
+all the holes each time; evicting the ``maxsize // 64`` least recently used at
+once (one for small caches) makes that scan cheap per key. The cache never holds
+more than ``maxsize`` entries.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from hashlib import blake2b
+from itertools import islice
 
-__all__ = ["SavedCache"]
+__all__ = ["SavedCache", "kind_salt"]
+
+_KIND_SALT_BYTES = 16
+_MAX_SALTS = 65_536  # memo of kinds' salts; clearing it loses nothing
+_EVICT_FRACTION = 64
+
+
+def kind_salt(kind: str) -> int:
+    """The 128-bit number a kind's entries are XORed with (BLAKE2b of the kind, personalised)."""
+    h = blake2b(kind.encode("utf-8", "surrogatepass"), digest_size=_KIND_SALT_BYTES)
+    h.update(b"\x00dedup-local-kind")
+    return int.from_bytes(h.digest(), "little")
 
 
 class SavedCache:
-    """A bounded LRU set of keys whose rows are known committed.
+    """A bounded LRU set of (kind, value digest) pairs whose rows are known committed.
 
     ``maxsize == 0`` disables the tier.
     """
 
-    __slots__ = ("_entries", "maxsize")
+    __slots__ = ("_chunk", "_entries", "_salts", "maxsize")
 
     def __init__(self, maxsize: int) -> None:
         if maxsize < 0:
             raise ValueError("local_cache_size must be >= 0")
         self.maxsize = maxsize
-        self._entries: OrderedDict[bytes, None] = OrderedDict()
+        self._chunk = max(1, maxsize // _EVICT_FRACTION)
+        self._entries: dict[int, None] = {}
+        self._salts: dict[str, int] = {}
 
     @property
-    def entries(self) -> OrderedDict[bytes, None]:
-        """The ordered keys, oldest first, for a hot path that inlines the lookup.
+    def entries(self) -> dict[int, None]:
+        """The keys, least recently used first, for a hot path that inlines the lookup.
 
-        A reader that finds a key must ``move_to_end`` it, as ``in`` does; only
-        :meth:`add` may insert.
+        A reader that finds a key must move it to the end (``del`` then set to
+        ``None``), as ``in`` does; only :meth:`add` may insert a new key.
         """
         return self._entries
 
-    def __contains__(self, key: bytes) -> bool:
+    @property
+    def salts(self) -> dict[str, int]:
+        """kind -> :func:`kind_salt` of the kinds added; a kind missing here has no entry."""
+        return self._salts
+
+    def key(self, kind: str, digest: bytes) -> int:
+        """The entry of one value: its digest as a number, XOR its kind's salt."""
+        salt = self._salts.get(kind)
+        if salt is None:
+            salt = kind_salt(kind)
+            if len(self._salts) >= _MAX_SALTS:
+                self._salts.clear()  # a memo: salts are recomputed, entries stay valid
+            self._salts[kind] = salt
+        return salt ^ int.from_bytes(digest, "little")
+
+    def __contains__(self, item: tuple[str, bytes]) -> bool:
+        kind, digest = item
+        salt = self._salts.get(kind)
+        if salt is None:
+            return False
         entries = self._entries
-        if key in entries:
-            entries.move_to_end(key)
+        key = salt ^ int.from_bytes(digest, "little")
+        if entries.pop(key, 0) is None:  # values are None: found, now move it to the end
+            entries[key] = None
             return True
         return False
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, key: bytes) -> None:
-        """Remember ``key`` as saved, evicting the least recently used key past ``maxsize``."""
+    def add(self, kind: str, digest: bytes) -> None:
+        """Remember a value as saved, evicting the least recently used keys past ``maxsize``."""
         if not self.maxsize:
             return
         entries = self._entries
+        key = self.key(kind, digest)
+        entries.pop(key, None)
         entries[key] = None
-        entries.move_to_end(key)
-        if len(entries) > self.maxsize:
-            entries.popitem(last=False)
+        excess = len(entries) - self.maxsize
+        if excess > 0:
+            for old in list(islice(entries, excess + self._chunk - 1)):
+                del entries[old]
 
     def clear(self) -> None:
         """Forget every key (used when the namespace is cleared)."""

@@ -84,19 +84,44 @@ def test_deep_payload_is_rejected() -> None:
 
 
 def test_saved_cache_is_a_bounded_lru() -> None:
+    a, b, c, d = (("k", digest(v)) for v in "abcd")
     cache = SavedCache(3)
-    for key in (b"a", b"b", b"c"):
-        cache.add(key)
-    assert b"a" in cache  # a is now the most recent
-    cache.add(b"d")  # evicts b, the least recently used
+    for item in (a, b, c):
+        cache.add(*item)
+    assert a in cache  # a is now the most recent
+    cache.add(*d)  # evicts b, the least recently used
     assert len(cache) == 3
-    assert b"b" not in cache
-    assert all(k in cache for k in (b"a", b"c", b"d"))
+    assert b not in cache
+    assert all(item in cache for item in (a, c, d))
+    assert ("other-kind", a[1]) not in cache  # the same value of another kind is another entry
     disabled = SavedCache(0)
-    disabled.add(b"x")
-    assert b"x" not in disabled and len(disabled) == 0
+    disabled.add(*a)
+    assert a not in disabled and len(disabled) == 0
     with pytest.raises(ValueError):
         SavedCache(-1)
+
+
+def test_saved_cache_evicts_least_recently_used_first_and_stays_bounded() -> None:
+    # A large cache evicts its oldest keys 1/64 of its size at a time: never more than
+    # maxsize entries, and never a key used more recently than one it keeps.
+    size = 6400
+    cache = SavedCache(size)
+    items = [("k", digest(f"v{i}")) for i in range(3 * size)]
+    for item in items[:size]:
+        cache.add(*item)
+    hot, cold = items[: size // 2], items[size // 2 : size]
+    assert len(cache) == size
+    assert all(item in cache for item in cold)
+    assert all(item in cache for item in hot)  # now the most recently used
+    for n, item in enumerate(items[size:], start=1):
+        for h in hot[n % 50 :: 50]:  # keep the first half in use
+            assert h in cache
+        cache.add(*item)
+        assert len(cache) <= size
+    assert all(h in cache for h in hot)  # used all along: never evicted
+    recent = items[-(size - size // 64 - len(hot)) :]
+    assert all(item in cache for item in recent)
+    assert not any(item in cache for item in cold)  # least recently used: gone first
 
 
 def test_scripts_have_stable_shas_and_headers() -> None:
