@@ -9,6 +9,7 @@ is split by hash slot, one call per slot, run concurrently.
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 from collections.abc import Sequence
 from typing import Any
@@ -65,9 +66,25 @@ def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis 
         pool.connection_class(**pool.connection_kwargs)  # builds options, opens nothing
     except (TypeError, ValueError, RedisError) as exc:
         raise ConfigError(
-            f"redis_url has an option redis-py cannot use (ssl_* ones need rediss://): {exc}"
+            "redis_url has an option redis-py cannot use (ssl_* ones need rediss://; / @ : in "
+            f"a password must be percent-encoded): {_scrub(str(exc), url)}"
         ) from None
     return Redis.from_pool(pool)  # the client owns the pool and closes it in aclose()
+
+
+def _scrub(message: str, url: str) -> str:
+    """``message`` without any piece of the password of ``url``.
+
+    A password with an unescaped ``/`` or ``@`` splits the URL in the wrong places, and
+    the parser's complaint quotes a piece of it (``Port could not be cast to integer
+    value as 'pw'``): every such piece of two characters or more is hidden.
+    """
+    userinfo = url.partition("://")[2].rpartition("@")[0]
+    password = userinfo.partition(":")[2]
+    for piece in sorted(re.split(r"[/:@?#]", password), key=len, reverse=True):
+        if len(piece) >= 2:
+            message = message.replace(piece, "***")
+    return message
 
 
 async def unlink_matching(client: Redis | RedisCluster, pattern: bytes | str) -> int:
