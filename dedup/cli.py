@@ -165,8 +165,9 @@ def _migrate(args: argparse.Namespace) -> int:
 
         url = f"sqlite:///{Path(settings.data_dir).resolve() / 'dedup.sqlite3'}"
     from dedup.errors import ConfigError, Unavailable
-    from dedup.gateway import redact
+    from dedup.gateway import check_url_password, redact
 
+    check_url_password(url, "database_url")  # else the errors could quote pieces of it
     try:
         upgrade(url)
         revision = current(url)

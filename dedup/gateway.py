@@ -82,6 +82,23 @@ _URL_PASSWORD = re.compile(r"(//[^\s:/?#@]*:)[^\s]*@")
 _QUERY_PASSWORD = re.compile(r"([?&][a-z_]*password=)[^&#\s]*", re.IGNORECASE)
 
 
+def check_url_password(url: str, name: str) -> None:
+    """Raise :class:`ConfigError` if ``url``'s password holds an unescaped ``/`` or ``@``.
+
+    Such a URL splits in the wrong places, and the parsers' complaints then quote
+    pieces of the password (``invalid literal for int(): '<piece>'``), which
+    :func:`redact` cannot recognise. The message names neither the URL nor the password.
+    """
+    rest = url.partition("://")[2]
+    if rest.startswith("/"):  # unix:// and sqlite:/// paths have no user part
+        return
+    userinfo = rest.split("?", 1)[0].rpartition("@")[0]
+    if "/" in userinfo or "@" in userinfo:
+        raise ConfigError(
+            f"{name}: percent-encode / and @ in the user name and password (%2F, %40)"
+        )
+
+
 def redact(url: str) -> str:
     """``url`` (or a message holding URLs) with every password replaced, for messages and logs."""
     return _QUERY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", url))
@@ -195,6 +212,9 @@ class Gateway:
             raise ConfigError(f"redis_url must start with one of {', '.join(REDIS_SCHEMES)}")
         if database_url is not None and not database_url.startswith(DATABASE_SCHEMES):
             raise ConfigError(f"database_url must start with one of {', '.join(DATABASE_SCHEMES)}")
+        for url_name, url in (("redis_url", redis_url), ("database_url", database_url)):
+            if url is not None:
+                check_url_password(url, url_name)
         if lease_ms < 100:
             raise ConfigError("lease_ms must be at least 100")
         write_timeout_ms = lease_ms // 2 if write_timeout_ms is None else write_timeout_ms

@@ -52,7 +52,7 @@ from dedup.errors import (
     Unavailable,
     WaitTimeout,
 )
-from dedup.gateway import Gateway, redact
+from dedup.gateway import Gateway, check_url_password, redact
 from dedup.metrics import Stats
 from dedup.openapi import openapi_document
 from dedup.settings import Config, ServiceSettings
@@ -980,6 +980,16 @@ def _schema_finding(has_table: bool, revision: str | None) -> Finding:
     return Finding("ok", "database", f"schema at revision {revision} (the newest)")
 
 
+def _password_ok(url: str) -> bool:
+    """False for a URL with an unescaped password: the config finding already fails it, and
+    connecting would only quote pieces of the password in the errors."""
+    try:
+        check_url_password(url, "url")
+    except ConfigError:
+        return False
+    return True
+
+
 async def check(config: Config) -> list[Finding]:
     """What ``dedup check`` reports: the settings, then Redis and the database as configured.
 
@@ -1023,7 +1033,8 @@ async def check(config: Config) -> list[Finding]:
 
     timeout_s = min(gateway.redis_timeout_s, 5.0)
     if gateway.redis_url:
-        found += await _check_redis(gateway.redis_url, gateway.allow_eviction, timeout_s)
+        if _password_ok(gateway.redis_url):
+            found += await _check_redis(gateway.redis_url, gateway.allow_eviction, timeout_s)
     else:
         try:
             binary = find_redis_server()
@@ -1044,7 +1055,7 @@ async def check(config: Config) -> list[Finding]:
         found.append(
             Finding("ok", "database", f"embedded: SQLite {sqlite_path}, migrated at start")
         )
-    elif url.startswith(("postgresql://", "postgres://")):
+    elif url.startswith(("postgresql://", "postgres://")) and _password_ok(url):
         found += await _check_postgres(url, 5.0)
     elif url.startswith("sqlite:///"):
         found += await asyncio.to_thread(_check_sqlite, url)

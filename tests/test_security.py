@@ -1,0 +1,415 @@
+"""Security, one test each: the bearer token (and its constant-time compare), Redis over
+TLS (``rediss://``), Redis AUTH with an ACL user, secrets kept out of logs and error
+bodies, size limits, and Redis keys made of digests only.
+
+Everything runs against real processes: redis-server (also with TLS only, certificates
+made with ``openssl`` at test time), PostgreSQL, and ``python -m dedup`` subprocesses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import secrets
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import asyncpg
+import orjson
+import pytest
+import redis.asyncio as aioredis
+from aiohttp.test_utils import make_mocked_request
+
+from dedup import ConfigError, Gateway, InvalidInput, Unavailable
+from dedup.keys import KeySpace, digest
+from dedup.service import _authorized
+from tests.servers import RedisServer, free_port
+from tests.test_service import (
+    ROOT,
+    ServiceProcess,
+    assert_error,
+    request,
+    service_env,
+    spawn_service,
+    wait_exit,
+    wait_healthy,
+)
+from tests.tls import TlsRedisServer, make_certs
+
+TOKEN = "sec-" + secrets.token_hex(16)
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+JSON = {**AUTH, "Content-Type": "application/json"}
+# Passwords with the characters a URL parser trips on, in their URL-escaped form too.
+PASSWORD = "pw/" + secrets.token_hex(6) + "@x"
+PASSWORD_IN_URL = quote(PASSWORD, safe="")
+CLI_TIMEOUT_S = 60.0
+
+# The minimal command set dedup needs as an ACL user (README, "Security"): INFO for the
+# eviction guard, EVALSHA / SCRIPT LOAD for the claim scripts and the commands they run,
+# PING for /readyz, on the keys of its namespace only.
+MINIMAL_ACL = (
+    "~dedup:*",
+    "+evalsha",
+    "+script|load",
+    "+info",
+    "+ping",
+    "+get",
+    "+set",
+    "+pexpire",
+    "+del",
+)
+
+
+@pytest.fixture
+async def service(redis_url: str, pg_url: str, tmp_path: Path) -> AsyncIterator[ServiceProcess]:
+    """A service with a token and small limits, on the session's servers."""
+    env = service_env(
+        redis_url,
+        pg_url,
+        DEDUP_AUTH_TOKEN=TOKEN,
+        DEDUP_MAX_BODY_BYTES="4096",
+        DEDUP_MAX_BATCH_ITEMS="10",
+        DEDUP_MAX_VALUE_BYTES="100",
+        DEDUP_MAX_PAYLOAD_BYTES="200",
+    )
+    svc = spawn_service(tmp_path, env)
+    try:
+        await wait_healthy(svc)
+        yield svc
+        svc.terminate()
+        assert await wait_exit(svc) == 0, svc.log_text()
+    finally:
+        if svc.proc.poll() is None:
+            svc.kill()
+
+
+async def count_rows(database_url: str) -> int:
+    conn = await asyncpg.connect(database_url)
+    try:
+        n: int = await conn.fetchval("SELECT count(*) FROM dedup_items")
+    finally:
+        await conn.close()
+    return n
+
+
+# -------------------------------------------------------------------------------- auth
+
+
+async def test_bearer_token_missing_wrong_and_right(service: ServiceProcess, pg_url: str) -> None:
+    body = orjson.dumps({"kind": "auth", "value": "v"})
+    flipped_first = chr(ord(TOKEN[0]) ^ 1) + TOKEN[1:]
+    flipped_last = TOKEN[:-1] + ("0" if TOKEN[-1] != "0" else "1")
+    refused = [
+        {},  # no header
+        {"Authorization": f"Bearer {flipped_first}"},  # same length, first character wrong
+        {"Authorization": f"Bearer {flipped_last}"},  # same length, last character wrong
+        {"Authorization": f"Bearer {TOKEN[:-1]}"},  # a prefix
+        {"Authorization": f"Bearer {TOKEN}{TOKEN}"},  # longer
+        {"Authorization": f"Basic {TOKEN}"},  # another scheme
+        {"Authorization": TOKEN},  # no scheme
+    ]
+    async with aiohttp.ClientSession(base_url=service.url) as http:
+        for headers in refused:
+            for path, data in (("/v1/save", body), ("/v1/save/batch", b'{"items": []}')):
+                status, answer, response_headers = await request(
+                    http,
+                    "POST",
+                    path,
+                    body=data,
+                    headers={**headers, "Content-Type": "application/json"},
+                )
+                assert status == 401, (headers, answer)
+                assert_error(status, answer, "unauthorized")
+                assert response_headers["WWW-Authenticate"].startswith("Bearer")
+                assert TOKEN not in orjson.dumps(answer).decode()
+            status, _, _ = await request(http, "GET", "/metrics", headers=headers)
+            assert status == 401
+        assert await count_rows(pg_url) == 0
+        status, answer, _ = await request(http, "POST", "/v1/save", body=body, headers=JSON)
+        assert (status, answer) == (201, {"created": True, "source": "write"})
+        async with http.get("/metrics", headers=AUTH) as r:
+            assert r.status == 200
+        for path in ("/healthz", "/readyz", "/openapi.json"):  # open: they reveal nothing
+            status, _, _ = await request(http, "GET", path)
+            assert status == 200, path
+    assert TOKEN not in service.log_text()
+
+
+def test_token_compare_is_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every token check goes through hmac.compare_digest, and refuses every near miss."""
+    token = TOKEN.encode()
+    seen: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def spy(a: Any, b: Any) -> bool:
+        seen.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+
+    def check(header: str) -> bool:
+        return _authorized(
+            make_mocked_request("POST", "/v1/save", headers={"Authorization": header}), token
+        )
+
+    assert check(f"Bearer {TOKEN}") and check(f"bearer {TOKEN}")
+    # Every same-length token that differs in one character, at every position.
+    for i, char in enumerate(TOKEN):
+        wrong = TOKEN[:i] + ("a" if char != "a" else "b") + TOKEN[i + 1 :]
+        assert len(wrong) == len(TOKEN)
+        assert not check(f"Bearer {wrong}"), wrong
+    assert not check("Bearer ") and not check(f"Bearer {TOKEN}x") and not check(f"Token {TOKEN}")
+    assert not check("Bearer " + "\N{LATIN SMALL LETTER E WITH ACUTE}" * len(TOKEN))  # non-ASCII
+    compared = len(TOKEN) + 2 + 3  # the calls above that reach the compare
+    assert len(seen) == compared and all(b == token for _, b in seen)
+
+
+# --------------------------------------------------------------------------------- TLS
+
+
+async def test_rediss_tls(tmp_path: Path, pg_url: str) -> None:
+    certs = make_certs(tmp_path / "certs")
+    with TlsRedisServer(certs) as server:
+        url = server.url
+        assert url.startswith("rediss://127.0.0.1:") and "ssl_ca_certs=" in url
+        async with Gateway(url, pg_url) as gw:
+            first = await gw.save("tls", "over TLS", payload={"t": 1})
+            assert (first.created, first.source) == (True, "write")
+            assert await gw.ping() == {"redis": True, "database": True}
+        async with Gateway(url, pg_url, local_cache_size=0) as gw:
+            again = await gw.save("tls", "over TLS")
+            assert (again.created, again.source) == (False, "redis")  # the marker went over TLS
+        # The server speaks TLS only, and the client checks who it talks to.
+        plain = f"redis://127.0.0.1:{server.port}/0"
+        no_ca = f"rediss://127.0.0.1:{server.port}/0"
+        no_client_cert = f"rediss://127.0.0.1:{server.port}/0?ssl_ca_certs={certs.ca}"
+        for bad in (plain, no_ca, no_client_cert):
+            with pytest.raises(Unavailable) as caught:
+                async with Gateway(bad, pg_url, redis_timeout_s=2.0):
+                    pass
+            assert caught.value.component == "redis", caught.value
+        assert "CERTIFICATE_VERIFY_FAILED" in await open_error(no_ca, pg_url)
+        # TLS options on a plain redis:// URL: a clear ConfigError, not a TypeError.
+        with pytest.raises(ConfigError, match="rediss://"):
+            async with Gateway(url.replace("rediss://", "redis://"), pg_url):
+                pass
+        # `dedup check` reaches it the same way.
+        done = await run_cli("check", "--redis-url", url, "--database-url", pg_url)
+        assert "reachable, Redis 7" in done.stdout, done.stdout + done.stderr
+
+
+async def open_error(url: str, pg_url: str, **options: Any) -> str:
+    """The message of the error that opening a Gateway on ``url`` raises."""
+    try:
+        async with Gateway(url, pg_url, redis_timeout_s=2.0, **options):
+            pass
+    except (Unavailable, ConfigError) as exc:
+        return str(exc)
+    raise AssertionError(f"{url} opened")
+
+
+async def run_cli(
+    *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m dedup *args``, bounded, off the event loop."""
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "dedup", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+        env=service_env("", ""),
+    )
+
+
+# --------------------------------------------------------------------------------- ACL
+
+
+async def test_redis_acl_user(fresh_redis: RedisServer, pg_url: str) -> None:
+    admin = aioredis.Redis.from_url(fresh_redis.url)
+    try:
+        await admin.script_flush()  # the ACL user must be able to load the scripts itself
+        no_info = [rule for rule in MINIMAL_ACL if rule != "+info"]
+        for user, rules in (
+            ("dedup", MINIMAL_ACL),
+            ("noinfo", no_info),
+            ("elsewhere", ("~other:*", "+@all")),
+        ):
+            await admin.execute_command(  # type: ignore[no-untyped-call]
+                "ACL", "SETUSER", user, "reset", "on", f">{PASSWORD}", *rules
+            )
+    finally:
+        await admin.aclose()
+
+    def url(user: str, password: str = PASSWORD_IN_URL) -> str:
+        return fresh_redis.url.replace("redis://", f"redis://{user}:{password}@")
+
+    async with Gateway(url("dedup"), pg_url) as gw:
+        assert (await gw.save("acl", "a")).created
+        assert await gw.ping() == {"redis": True, "database": True}
+    async with Gateway(url("dedup"), pg_url, local_cache_size=0) as gw:
+        assert (await gw.save("acl", "a")).source == "redis"
+
+    # No +info: the eviction guard cannot read maxmemory-policy. A ConfigError saying
+    # what to grant, or, with the documented override, a warning and a working Gateway.
+    message = await open_error(url("noinfo"), pg_url)
+    assert "+info" in message and "allow_eviction" in message, message
+    async with Gateway(url("noinfo"), pg_url, allow_eviction=True) as gw:
+        assert (await gw.save("acl", "b")).created
+
+    # A wrong password, or a user whose keys are elsewhere: typed errors, no secret.
+    wrong = secrets.token_hex(8)
+    message = await open_error(url("dedup", wrong), pg_url)
+    assert "***" in message and wrong not in message, message
+    async with Gateway(url("elsewhere"), pg_url) as gw:
+        with pytest.raises(Unavailable):
+            await gw.save("acl", "c")
+    for text in (message,):
+        assert PASSWORD not in text and PASSWORD_IN_URL not in text
+
+
+# ----------------------------------------------------------------------------- secrets
+
+
+async def test_secrets_never_in_logs_or_error_messages(
+    redis_url: str, pg_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Failing connections, through the library, `dedup check`, `dedup migrate` and
+    `dedup serve`: the password appears in no message, log line or output."""
+    dead = free_port()
+    secret_redis = f"redis://dedup:{PASSWORD_IN_URL}@127.0.0.1:{dead}/0"
+    secret_pg = f"postgresql://postgres:{PASSWORD_IN_URL}@127.0.0.1:{dead}/dedup"
+    query_pg = f"postgresql://postgres@127.0.0.1:{dead}/dedup?password={PASSWORD_IN_URL}"
+    # Not percent-encoded, as users write them: the URL splits in the wrong places.
+    raw_redis = f"redis://dedup:{PASSWORD}@127.0.0.1:{dead}/0"
+    raw_pg = f"postgresql://postgres:{PASSWORD}@127.0.0.1:{dead}/dedup"
+    texts: list[str] = []
+
+    caplog.set_level(logging.DEBUG)
+    for redis_url_, db_url in (
+        (secret_redis, pg_url),
+        (redis_url, secret_pg),
+        (redis_url, query_pg),
+        (raw_redis, pg_url),
+        (redis_url, raw_pg),
+    ):
+        texts.append(await open_error(redis_url_, db_url))
+    texts.append(caplog.text)
+
+    check = await run_cli("check", "--redis-url", secret_redis, "--database-url", secret_pg)
+    assert check.returncode != 0 and "cannot connect" in check.stdout, check.stdout
+    texts += [check.stdout, check.stderr]
+    check = await run_cli("check", "--redis-url", raw_redis, "--database-url", raw_pg)
+    assert check.returncode != 0 and "percent-encode" in check.stdout, check.stdout
+    texts += [check.stdout, check.stderr]
+    for db_url in (secret_pg, query_pg, raw_pg):
+        migrate = await run_cli("migrate", "--database-url", db_url)
+        assert migrate.returncode == 2, migrate.stderr
+        assert "could not migrate" in migrate.stderr or "percent-encode" in migrate.stderr
+        texts += [migrate.stdout, migrate.stderr]
+    for redis_url_, db_url in ((secret_redis, pg_url), (redis_url, secret_pg), (raw_redis, pg_url)):
+        env = service_env(redis_url_, db_url, DEDUP_AUTH_TOKEN=TOKEN, DEDUP_LOG_LEVEL="debug")
+        svc = spawn_service(tmp_path, env)
+        status = await wait_exit(svc, timeout=CLI_TIMEOUT_S)
+        assert status != 0
+        texts.append(svc.log_text())
+
+    assert all(texts[:5]) and "***" in texts[0]
+    pieces = [p for p in re.split(r"[/@]", PASSWORD) if len(p) >= 2]
+    for text in texts:
+        for secret in (PASSWORD, PASSWORD_IN_URL, TOKEN, *pieces):
+            assert secret not in text, (secret, text)
+
+
+# ------------------------------------------------------------------------------ limits
+
+
+async def test_size_limits(service: ServiceProcess, redis_url: str, pg_url: str) -> None:
+    """Body (413), batch, value and payload sizes (422) over HTTP; InvalidInput in the library."""
+    async with aiohttp.ClientSession(base_url=service.url) as http:
+        cases: list[tuple[str, Any, int, str | None]] = [
+            ("/v1/save", {"kind": "lim", "value": "v" * 5000}, 413, None),
+            (
+                "/v1/save/batch",
+                {"items": [{"kind": "lim", "value": str(i)} for i in range(11)]},
+                422,
+                "items",
+            ),
+            ("/v1/save", {"kind": "lim", "value": "v" * 101}, 422, "value"),
+            ("/v1/save", {"kind": "lim", "value": "\N{EURO SIGN}" * 34}, 422, "value"),  # 102 bytes
+            ("/v1/save", {"kind": "lim", "value": "v", "payload": "p" * 199}, 422, "payload"),
+            ("/v1/save", {"kind": "k" * 129, "value": "v"}, 422, "kind"),
+        ]
+        for path, body, expected, field in cases:
+            status, answer, _ = await request(
+                http, "POST", path, body=orjson.dumps(body), headers=JSON
+            )
+            assert status == expected, (path, answer)
+            error = assert_error(
+                status, answer, "body_too_large" if status == 413 else "invalid_input"
+            )
+            if field is not None:
+                assert error["field"] == field
+        # At the limits: accepted.
+        at_limits = {"kind": "k" * 128, "value": "v" * 100, "payload": "p" * 198}
+        status, answer, _ = await request(
+            http, "POST", "/v1/save", body=orjson.dumps(at_limits), headers=JSON
+        )
+        assert status == 201, answer
+    assert await count_rows(pg_url) == 1
+    async with Gateway(redis_url, pg_url, max_value_bytes=100, max_payload_bytes=200) as gw:
+        for kind, value, payload, field in (
+            ("lim", "v" * 101, None, "value"),
+            ("lim", "v", "p" * 199, "payload"),
+        ):
+            with pytest.raises(InvalidInput) as caught:
+                await gw.save(kind, value, payload)
+            assert caught.value.field == field
+        with pytest.raises(InvalidInput) as caught:
+            await gw.save_many([("lim", "ok"), ("lim", "v" * 101)])
+        assert (caught.value.index, caught.value.field) == (1, "value")
+    assert await count_rows(pg_url) == 1
+
+
+# -------------------------------------------------------------------------------- keys
+
+
+async def test_redis_keys_are_digests_only(redis_url: str, pg_url: str) -> None:
+    """After saves (and a lease left by a failed write), no Redis key or stored string
+    holds a value's or a kind's text: keys are the prefix plus 24 digest bytes."""
+    kinds = ["customer-email", "card-number"]
+    values = [f"alice.{i}@example.com-{secrets.token_hex(4)}" for i in range(50)]
+
+    async def refuse(rows: Any) -> list[tuple[str, bytes]]:
+        raise RuntimeError("the sink is down")
+
+    async with Gateway(redis_url, pg_url, namespace="dedup") as gw:
+        await gw.save_many([(k, v, {"note": v}) for k in kinds for v in values])
+    async with Gateway(redis_url, sink=refuse, namespace="other-ns", lease_ms=60_000) as gw:
+        with pytest.raises(Unavailable):
+            await gw.save("customer-email", values[0])
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        keys = [k async for k in client.scan_iter(count=1000)]
+        stored = [await client.get(k) for k in keys]
+    finally:
+        await client.aclose()
+    assert len(keys) == len(kinds) * len(values)  # the failed write released its lease
+    space = KeySpace("dedup")
+    expected = {space.key(k, digest(v)) for k in kinds for v in values}
+    assert set(keys) == expected
+    texts = [t.encode() for t in kinds + values] + [t.encode()[:8] for t in values]
+    for key, value in zip(keys, stored, strict=True):
+        assert key.startswith(b"dedup:") and len(key) == len(b"dedup:") + 8 + 16, key
+        assert value == b"1", value  # saved markers: no text of the caller's
+        for text in texts:
+            assert text not in key
