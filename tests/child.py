@@ -10,7 +10,9 @@ plus per mode:
   Gateway, prints ``READY``, waits for a line on stdin (so that every child starts
   at once), saves every item from ``concurrency`` coroutines and writes one JSON
   line per call to ``out``: ``{"kind", "value", "created", "source"}`` or
-  ``{"kind", "value", "error"}``; then prints ``{"stats": ...}`` and ``DONE``.
+  ``{"kind", "value", "error"}``; then prints ``{"stats": ...}`` and ``DONE``. With
+  ``"stream": true`` each line is written (and flushed) as soon as the call returns, so
+  a parent that SIGKILLs the child still knows every answer it gave.
 - ``hold``: ``items`` (distinct pairs). The Gateway's ``sink`` prints ``HOLDING <rows>``
   and then never returns, even when the Gateway's write timeout cancels it (a hung
   writer), so the leases of its claim batch stay taken until they expire. The
@@ -33,6 +35,7 @@ async def _save(job: dict[str, Any]) -> None:
     items: list[tuple[str, str]] = [(k, v) for k, v in job["items"]]
     options: dict[str, Any] = job.get("options", {})
     lines: list[str] = []
+    stream = open(job["out"], "w") if job.get("stream") else None  # noqa: SIM115
     async with Gateway(job["redis_url"], job["database_url"], **options) as gw:
         print("READY", flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # the parent's "go"
@@ -48,11 +51,17 @@ async def _save(job: dict[str, Any]) -> None:
                 else:
                     line = {"kind": kind, "value": value, "created": r.created, "source": r.source}
                 lines.append(json.dumps(line))
+                if stream is not None:
+                    stream.write(lines[-1] + "\n")
+                    stream.flush()
 
         await asyncio.gather(*(worker() for _ in range(job["concurrency"])))
         stats = gw.stats()
-    with open(job["out"], "w") as out:
-        out.write("".join(line + "\n" for line in lines))
+    if stream is not None:
+        stream.close()
+    else:
+        with open(job["out"], "w") as out:
+            out.write("".join(line + "\n" for line in lines))
     print(json.dumps({"stats": stats.as_dict()}), flush=True)
     print("DONE", flush=True)
 

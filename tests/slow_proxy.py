@@ -1,0 +1,124 @@
+"""A TCP proxy that delays every reply: a slow Redis, without touching Redis itself.
+
+:class:`SlowProxy` listens on a free loopback port, forwards each client
+connection to the target, passes requests on at once and holds every chunk of
+the server's replies for ``delay_s`` (read when the chunk arrives, so lowering it
+takes effect for the replies that follow). It runs on the caller's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+__all__ = ["SlowProxy"]
+
+_CHUNK = 65536
+
+
+class SlowProxy:
+    """Forwards 127.0.0.1:``port`` to ``target_host``:``target_port``, replies ``delay_s`` late."""
+
+    def __init__(self, target_host: str, target_port: int, *, delay_s: float = 0.0) -> None:
+        self.target_host = target_host
+        self.target_port = target_port
+        self.delay_s = delay_s
+        self.connections = 0
+        """Client connections accepted so far."""
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def port(self) -> int:
+        """The port the proxy listens on (after :meth:`start`)."""
+        if self._server is None:
+            raise RuntimeError("the proxy is not started")
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    @property
+    def url(self) -> str:
+        """A redis:// URL that goes through the proxy."""
+        return f"redis://127.0.0.1:{self.port}"
+
+    async def start(self) -> SlowProxy:
+        """Listen on a free loopback port."""
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return self
+
+    async def aclose(self) -> None:
+        """Stop listening and drop every connection."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
+        if server is not None:
+            await asyncio.wait_for(server.wait_closed(), 5)
+
+    async def __aenter__(self) -> SlowProxy:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self.connections += 1
+        server_w: asyncio.StreamWriter | None = None
+        try:
+            server_r, server_w = await asyncio.open_connection(self.target_host, self.target_port)
+            up = asyncio.create_task(self._pipe(client_r, server_w))
+            down = asyncio.create_task(self._delayed_pipe(server_r, client_w))
+            try:
+                await asyncio.wait((up, down), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in (up, down):
+                    t.cancel()
+                await asyncio.gather(up, down, return_exceptions=True)
+        except OSError:
+            pass  # the target is down: the client sees its connection closed
+        finally:
+            for w in (client_w, server_w):
+                if w is not None:
+                    w.close()
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(w.wait_closed(), 1)
+            self._tasks.discard(task)
+
+    @staticmethod
+    async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await src.read(_CHUNK):
+                dst.write(data)
+                await dst.drain()
+
+    async def _delayed_pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                while data := await src.read(_CHUNK):
+                    queue.put_nowait((loop.time() + self.delay_s, data))
+            except OSError:
+                pass
+            finally:
+                queue.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await queue.get()) is not None:
+                due, data = item
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                dst.write(data)
+                await dst.drain()
+        except OSError:
+            pass
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
