@@ -16,7 +16,10 @@ Each phase writes ``<out>/<phase>_stats.csv`` (and the other CSVs), ``<out>/<pha
 and ``<out>/<phase>.log``; its items go to a kind of its own (``load-<phase>``). The summary
 reads locust's CSV (requests/s, items/s, percentiles) and its JSON file (the final request
 and failure counts) per phase, and checks that the table holds exactly one row per distinct
-value answered and one ``created`` answer per row. Exit status 0 only when every phase had requests, no failure, and those checks pass.
+value answered and one ``created`` answer per row. A second table gives the CPU each
+process used during each phase (from /proc) and the items per CPU-second of the gateway,
+the per-core figure that sizing multiplies. Exit status 0 only when every phase had
+requests, no failure, and those checks pass.
 
 Everything started here is stopped by its PID at the end, also on Ctrl-C or SIGTERM; every
 wait is bounded (locust runs for ``--seconds`` plus at most ``--stop-timeout``).
@@ -31,6 +34,7 @@ import contextlib
 import csv
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -63,6 +67,47 @@ STOP_TIMEOUT_S = 10  # locust's --stop-timeout: users finish the request they ar
 LOCUST_GRACE_S = 60.0  # beyond --seconds + --stop-timeout, locust is killed
 
 
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _proc_tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants, from /proc (Linux; just ``pid`` elsewhere)."""
+    children: dict[int, list[int]] = {}
+    proc = Path("/proc")
+    if proc.is_dir():
+        for entry in proc.iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    stat = (entry / "stat").read_text()
+                    parent = int(stat[stat.rfind(")") + 2 :].split()[1])
+                    children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [pid], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) used so far by ``pid``, its live descendants and the
+    descendants that ended and were waited for."""
+    total = 0
+    for p in _proc_tree(pid):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = Path(f"/proc/{p}/stat").read_text()
+            fields = stat[stat.rfind(")") + 2 :].split()
+            # utime, stime, and cutime, cstime: children that ended (PostgreSQL backends)
+            total += sum(int(f) for f in fields[11:15])
+    return total / _TICKS_PER_S
+
+
+def children_cpu_seconds() -> float:
+    """CPU time of this process's children that ended and were waited for (locust)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 class Interrupted(Exception):
     """SIGTERM or SIGINT arrived: unwind, stopping everything we started."""
 
@@ -82,6 +127,14 @@ class PhaseResult:
     answered: int
     created: int
     exit_code: int
+    wall_s: float
+    cpu_s: dict[str, float]  # CPU seconds used during the phase: service, redis, postgres, locust
+
+    @property
+    def items(self) -> int:
+        return self.requests * self.batch
+
+    batch: int = 1
 
     @property
     def ok(self) -> bool:
@@ -212,6 +265,8 @@ def run_phase(
     env: dict[str, str],
     service: Service,
     database_url: str,
+    redis_pid: int,
+    postgres_pid: int,
 ) -> PhaseResult:
     locustfile, user_class, row_name = PHASES[phase]
     out: Path = args.out
@@ -238,7 +293,14 @@ def run_phase(
         argv += ["--processes", str(args.processes)]
     argv.append(user_class)
     timeout = args.seconds + STOP_TIMEOUT_S + LOCUST_GRACE_S
+    watched = {"service": service.proc.pid, "redis": redis_pid, "postgres": postgres_pid}
+    cpu_before = {name: cpu_seconds(pid) for name, pid in watched.items()}
+    cpu_before["locust"] = children_cpu_seconds()
+    started = time.monotonic()
     code = run_locust(argv, phase_env, out / f"{phase}.log", timeout)
+    wall_s = time.monotonic() - started
+    cpu_after = {name: cpu_seconds(pid) for name, pid in watched.items()}
+    cpu_after["locust"] = children_cpu_seconds()
     stats = parse_stats(Path(f"{prefix}_stats.csv"))
     total = stats["Aggregated"]
     requests, failures = read_totals(Path(f"{prefix}.json"))
@@ -257,6 +319,9 @@ def run_phase(
         answered=len(answered),
         created=created,
         exit_code=code,
+        wall_s=wall_s,
+        cpu_s={name: cpu_after[name] - cpu_before[name] for name in cpu_after},
+        batch=items,
     )
 
 
@@ -276,6 +341,24 @@ def print_summary(results: Sequence[PhaseResult], args: argparse.Namespace) -> N
             f"{r.phase:<8}{r.requests:>10,}{r.failures:>10,}{r.requests_per_s:>10,.0f}"
             f"{r.items_per_s:>10,.0f}{r.p50_ms:>9.1f}{r.p99_ms:>9.1f}{r.rows:>9,}"
             f"{r.answered:>10,}{r.created:>9,}  {'PASS' if r.ok else 'FAIL'}"
+        )
+    print(
+        "\nCPU during each phase (cores busy = CPU seconds / wall seconds; the lib phase's"
+        " Gateway runs inside locust's process)"
+    )
+    header = (
+        f"{'phase':<8}{'wall s':>8}{'service':>9}{'redis':>8}{'postgres':>10}{'locust':>8}"
+        f"  {'items per CPU-second of the gateway':>36}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        busy = {name: cpu / r.wall_s for name, cpu in r.cpu_s.items()}
+        gateway_cpu = r.cpu_s["locust" if r.phase == "lib" else "service"]
+        per_core = r.items / gateway_cpu if gateway_cpu > 0 else float("nan")
+        print(
+            f"{r.phase:<8}{r.wall_s:>8.1f}{busy['service']:>9.2f}{busy['redis']:>8.2f}"
+            f"{busy['postgres']:>10.2f}{busy['locust']:>8.2f}  {per_core:>36,.0f}"
         )
     failures = sum(r.failures for r in results)
     print(f"failures: {failures}")
@@ -318,7 +401,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 service.wait_ready()
                 for phase in phases:
                     print(f"[load] {phase}: {args.seconds} s ...", file=sys.stderr, flush=True)
-                    results.append(run_phase(phase, args, env, service, database_url))
+                    results.append(
+                        run_phase(
+                            phase, args, env, service, database_url, redis_server.pid, cluster.pid
+                        )
+                    )
             finally:
                 service.stop()
     except Interrupted as exc:
