@@ -908,6 +908,8 @@ class Gateway:
         finally:
             self._probing = False
         log.warning("Redis answers again: circuit closed, normal mode resumes")
+        if self._degraded_q:
+            self._schedule_degraded()  # hands the queue back to the claims
         if self._claim_q:
             self._schedule(claims=True)
 
@@ -942,6 +944,12 @@ class Gateway:
             self._degraded_timer.cancel()
             self._degraded_timer = None
         queue, now = self._degraded_q, loop.time()
+        if self._breaker.closed:
+            # Redis is back: what still waits is claimed as usual (the normal bounds apply).
+            self._claim_q.extend(queue)
+            queue.clear()
+            self._schedule(claims=True)
+            return
         # Entries share one timeout and are appended in time order: the expired are a prefix.
         expired = 0
         while expired < len(queue) and queue[expired].queued_until <= now:
