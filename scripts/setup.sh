@@ -49,6 +49,9 @@ if [[ $want_tests -eq 1 ]]; then
     if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null; then
         apt_install postgresql
     fi
+    if ! command -v openssl >/dev/null; then  # the TLS test makes its certificates with it
+        apt_install openssl
+    fi
 fi
 
 stamp=.venv/.dedup-installed
