@@ -951,6 +951,8 @@ class Gateway:
             self._schedule(claims=True)
             return
         # Entries share one timeout and are appended in time order: the expired are a prefix.
+        # The timer may fire up to the loop's clock resolution early: a millisecond of slack.
+        now += 0.001
         expired = 0
         while expired < len(queue) and queue[expired].queued_until <= now:
             expired += 1

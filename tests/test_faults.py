@@ -40,7 +40,7 @@ import asyncpg
 import pytest
 from redis.asyncio import Redis
 
-from dedup import DedupError, Gateway, Overloaded, Row, SaveResult
+from dedup import DedupError, Gateway, Overloaded, Row, SaveResult, Unavailable
 from dedup.keys import KeySpace, digest
 from dedup.migrate import upgrade_async
 from dedup.store import PG_INSERT
@@ -561,6 +561,46 @@ async def test_postgres_restarted_under_load(
     assert set(ledger.errors) == {"Unavailable"}
     assert not stats.breaker_opens  # a database outage is not a Redis outage
     assert await leases_held(redis_url) == 0  # failed writes released their leases
+
+
+async def test_redis_and_database_both_down(
+    fresh_redis: RedisServer, fresh_pg: PostgresCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Degraded (Redis stopped) and the database killed too: a typed database error and
+    nothing acknowledged; the degraded writes succeed once it is back, and normal mode
+    returns after Redis does."""
+    url = fresh_pg.create_database("app")
+    await upgrade_async(url)
+    ledger = Ledger()
+    options: dict[str, Any] = {"redis_timeout_s": 0.3, "breaker_cooldown_s": 0.3}
+    async with Gateway(fresh_redis.url, url, **options) as gw:
+        ledger.record(("email", "before"), await gw.save("email", "before"))
+        fresh_redis.pause()
+        try:
+            fresh_pg.kill()
+            with pytest.raises(Unavailable) as caught:
+                await gw.save("email", "during")
+            assert caught.value.component == "database" and gw.degraded
+            ledger.errors["Unavailable"] += 1
+            await asyncio.to_thread(fresh_pg.start)
+            deadline = time.monotonic() + WAIT_S
+            while True:  # the pool reconnects by itself
+                try:
+                    result = await gw.save("email", "during")
+                    break
+                except Unavailable:
+                    ledger.errors["Unavailable"] += 1
+                    assert time.monotonic() < deadline, "the database never came back"
+                    await asyncio.sleep(0.1)
+            assert gw.degraded and (result.created, result.source) == (True, "write")
+            ledger.record(("email", "during"), result)
+        finally:
+            fresh_redis.resume()
+        await until("the circuit to close", lambda: not gw.degraded)
+        ledger.record(("email", "after"), await gw.save("email", "after"))
+        assert gw.stats().claim_batches >= 2  # "after" was claimed in Redis again
+    rows = await check_contract(capsys, "Redis stopped and PostgreSQL killed", url, ledger)
+    assert rows == {("email", "before"), ("email", "during"), ("email", "after")}
 
 
 async def load_recovers(load: Load) -> float:
