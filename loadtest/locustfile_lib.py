@@ -133,7 +133,11 @@ class GatewayThread:
     def start(self) -> None:
         """Start the thread and open the Gateway; raise what opening it raised."""
         self._done = self._pool.spawn(self._thread_main)
-        self._ready.get(timeout=START_TIMEOUT_S)
+        try:
+            self._ready.get(timeout=START_TIMEOUT_S)
+        except BaseException:
+            self._pool.kill()  # the thread has ended (or will): let its worker go
+            raise
 
     def run(self, make: Callable[[Gateway], Coroutine[Any, Any, Any]]) -> Any:
         """Run ``make(gateway)`` on the loop; block this greenlet (only) until it answers."""
