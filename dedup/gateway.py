@@ -565,6 +565,11 @@ class Gateway:
         the database fails midway the call raises; values committed before the
         failure answer ``created=False`` on retry.
         """
+        if isinstance(items, str | bytes | dict) or not hasattr(items, "__iter__"):
+            # A string or a mapping iterates, but never as items: refuse it as a whole.
+            raise InvalidInput(
+                f"items must be an iterable of tuples, not {type(items).__name__}", field="items"
+            )
         checked: list[tuple[str, str, bytes, str | None]] = []
         for index, item in enumerate(items):
             if not isinstance(item, tuple) or len(item) not in (2, 3):

@@ -357,10 +357,12 @@ async def test_batch_over_max_pending_is_overloaded_and_saves_nothing(
     with pytest.raises(InvalidInput) as caught:
         await bounded(gw.save_many(long_bad))
     assert caught.value.index == 20_000 and caught.value.field == "value"
-    # Not iterable at all: Python's own TypeError, before any work.
-    for nothing in (None, 5):
-        with pytest.raises(TypeError):
+    # Not a batch at all (nothing to iterate, or a string or mapping that iterates
+    # but not as items): a typed error naming the argument, before any work.
+    for nothing in (None, 5, "fz", b"fz", {"fz": "a"}):
+        with pytest.raises(InvalidInput, match="iterable of tuples") as refused:
             await bounded(gw.save_many(nothing))  # type: ignore[arg-type]
+        assert refused.value.field == "items" and refused.value.index is None
 
     def items_then_crash() -> Iterator[Any]:
         yield ("fz", "a")
