@@ -15,8 +15,8 @@ demo: setup
 	$(VENV)/dedup demo
 
 lint: setup-tests
-	$(VENV)/ruff check dedup tests
-	$(VENV)/ruff format --check dedup tests
+	$(VENV)/ruff check dedup tests loadtest bench
+	$(VENV)/ruff format --check dedup tests loadtest bench
 	$(VENV)/mypy
 
 # The whole suite: lint, types, and pytest against real redis-server and PostgreSQL.
