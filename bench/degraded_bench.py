@@ -12,9 +12,9 @@ concurrency exceeds ``max_batch`` (512) times the largest bound, so that full
 batches wait and the bound, not the callers, limits the statements. Printed per
 bound: saves acknowledged per second, ``Overloaded`` refusals, statements per second
 as the gateway counted them and as PostgreSQL counted them (``pg_stat_database``
-commits + rollbacks of the database, minus this script's own sampling queries; each
-statement is two transactions there: the INSERT and asyncpg's reset of the
-connection when the pool takes it back), rows per statement, and the most
+commits + rollbacks of the database, minus this script's own sampling queries: one
+transaction per statement, since the sink's pool skips asyncpg's reset query),
+rows per statement, and the most
 statements seen running at once (``pg_stat_activity`` sampled every 5 ms). One
 Python process offers the load; a single process saturates its own core first.
 Not a test: figures depend on the machine and on what else runs on it.

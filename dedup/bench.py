@@ -43,6 +43,7 @@ from dedup.demo import make_stream
 from dedup.gateway import Gateway
 from dedup.keys import digest
 from dedup.local import SavedCache
+from dedup.store import keep_session
 
 __all__ = ["BenchConfig", "RunResult", "run_bench"]
 
@@ -316,7 +317,8 @@ async def run_one(
     c = _Counter()
     xacts0 = await _server_xacts(pg_url)
     r = Redis.from_pool(ConnectionPool.from_url(redis_url, max_connections=concurrency + 8))
-    pool = await asyncpg.create_pool(pg_url, min_size=4, max_size=32)
+    # Every strategy gets the sink's pool settings: no reset query on release.
+    pool = await asyncpg.create_pool(pg_url, min_size=4, max_size=32, reset=keep_session)
     gw: Gateway | None = None
     db_only: _DbOnly | None = None
     try:

@@ -21,7 +21,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from dedup.errors import ConfigError
 from dedup.types import Row
 
-__all__ = ["DATABASE_SCHEMES", "DefaultSink", "PostgresSink", "SqliteSink", "open_sink"]
+__all__ = [
+    "DATABASE_SCHEMES",
+    "DefaultSink",
+    "PostgresSink",
+    "SqliteSink",
+    "keep_session",
+    "open_sink",
+]
 
 DATABASE_SCHEMES = ("postgresql://", "postgres://", "sqlite:///")
 
@@ -80,6 +87,17 @@ class DefaultSink(Protocol):
         """Delete the rows of ``kinds``; returns how many (used by the demo)."""
 
 
+async def keep_session(conn: asyncpg.Connection) -> None:
+    """A pool ``reset`` for connections that only run single autocommit statements.
+
+    asyncpg's default reset sends one more query on every release (advisory
+    unlocks, CLOSE ALL, UNLISTEN *, RESET ALL): a second round trip and a second
+    transaction per statement. The sink never sets session state, and asyncpg
+    still rolls back an open transaction before calling this, so there is
+    nothing to undo.
+    """
+
+
 class PostgresSink:
     """Writes ``dedup_items`` in PostgreSQL through an asyncpg pool.
 
@@ -105,6 +123,7 @@ class PostgresSink:
                 "statement_timeout": str(self._timeout_ms),
                 "application_name": "dedup",
             },
+            reset=keep_session,
         )
         if not await self._pool.fetchval(PG_TABLE_EXISTS):
             await self.aclose()
