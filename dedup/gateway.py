@@ -799,8 +799,8 @@ class Gateway:
                 self._schedule(claims=True)
 
     async def _run_write(self, batch: list[_Flight]) -> None:
-        claims, sink, loop = self._claims, self._sink, self._loop
-        assert claims is not None and sink is not None and loop is not None
+        claims, loop = self._claims, self._loop
+        assert claims is not None and loop is not None
         try:
             now = loop.time()
             limit = self._lease_s - self._write_budget_s
@@ -813,33 +813,14 @@ class Gateway:
                 self._schedule(claims=True)
             if not fresh:
                 return
-            fresh.sort(key=_row_order)
-            rows = [Row(f.kind, f.digest, f.value, f.payload_json) for f in fresh]
             keys = [f.key for f in fresh]
-            self._stats.db_statements += 1
-            self._stats.db_rows_sent += len(rows)
-            self._stats.write_batches += 1
-            try:
-                inserted = set(await asyncio.wait_for(sink(rows), self._write_timeout_s))
-            except Exception as exc:
-                self._stats.db_errors += 1
+            failure = await self._insert(fresh)
+            if failure is not None:
                 # Release the leases first, so that a caller retrying at once is not
                 # racing our own release.
                 await self._abort(keys)
-                what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc!r}"
-                for f in fresh:
-                    self._fail(
-                        f,
-                        Unavailable(f"the database write {what}", component="database"),
-                    )
+                self._fail_write(fresh, failure)
                 return
-            for f in fresh:
-                if (f.kind, f.digest) in inserted:
-                    self._stats.write += 1
-                    self._resolve(f, "write")
-                else:
-                    self._stats.db += 1
-                    self._resolve(f, "db")
             if not self._breaker.closed:
                 return  # Redis is skipped: the leases expire, the markers are not set
             try:
@@ -862,6 +843,36 @@ class Gateway:
                 self._schedule(claims=False)
             if self._degraded_q:
                 self._schedule_degraded()
+
+    async def _insert(self, batch: list[_Flight]) -> str | None:
+        """One key-sorted INSERT of ``batch``; answers its callers ("write" for the rows
+        this statement inserted, "db" for those already there) and returns None, or
+        returns what went wrong and leaves the callers to :meth:`_fail_write`."""
+        sink = self._sink
+        assert sink is not None
+        batch.sort(key=_row_order)  # unsorted concurrent multi-row upserts deadlock
+        rows = [Row(f.kind, f.digest, f.value, f.payload_json) for f in batch]
+        self._stats.db_statements += 1
+        self._stats.db_rows_sent += len(rows)
+        self._stats.write_batches += 1
+        try:
+            inserted = set(await asyncio.wait_for(sink(rows), self._write_timeout_s))
+        except Exception as exc:
+            self._stats.db_errors += 1
+            return "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc!r}"
+        for f in batch:
+            if (f.kind, f.digest) in inserted:
+                self._stats.write += 1
+                self._resolve(f, "write")
+            else:
+                self._stats.db += 1
+                self._resolve(f, "db")
+        return None
+
+    def _fail_write(self, batch: list[_Flight], failure: str) -> None:
+        for f in batch:
+            # One exception per caller: a shared one would collect every caller's traceback.
+            self._fail(f, Unavailable(f"the database write {failure}", component="database"))
 
     async def _abort(self, keys: list[bytes]) -> None:
         claims = self._claims
@@ -986,30 +997,12 @@ class Gateway:
 
     async def _run_degraded(self, batch: list[_Flight]) -> None:
         """One statement for a degraded batch: the unique key alone decides ``created``."""
-        sink = self._sink
-        assert sink is not None
         try:
-            batch.sort(key=_row_order)
-            rows = [Row(f.kind, f.digest, f.value, f.payload_json) for f in batch]
-            self._stats.db_statements += 1
-            self._stats.db_rows_sent += len(rows)
-            self._stats.write_batches += 1
-            try:
-                inserted = set(await asyncio.wait_for(sink(rows), self._write_timeout_s))
-            except Exception as exc:
-                self._stats.db_errors += 1
-                what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc!r}"
-                for f in batch:
-                    self._fail(f, Unavailable(f"the database write {what}", component="database"))
+            failure = await self._insert(batch)
+            if failure is not None:
+                self._fail_write(batch, failure)
                 return
             self._stats.degraded_answers += len(batch)
-            for f in batch:
-                if (f.kind, f.digest) in inserted:
-                    self._stats.write += 1
-                    self._resolve(f, "write")
-                else:
-                    self._stats.db += 1
-                    self._resolve(f, "db")
         except BaseException as exc:
             self._fail_unfinished(batch, exc)
             raise
