@@ -11,7 +11,6 @@ error shape and nothing saved.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 import subprocess
@@ -32,11 +31,8 @@ from tests.test_service import (
     ROOT,
     ServiceProcess,
     assert_error,
-    migrate_in_thread,
     request,
-    service_env,
-    spawn_service,
-    wait_healthy,
+    service_on_own_servers,
 )
 
 TOKEN = "fz-" + secrets.token_hex(12)
@@ -63,25 +59,16 @@ def fuzzed(
     """One service for the module: its own redis-server and database, a token, small limits."""
     name = f"fuzz_http_{os.getpid()}"
     url = pg_cluster.create_database(name)
-    migrate_in_thread(url)
-    with RedisServer() as redis_server:
-        env = service_env(
-            redis_server.url,
-            url,
-            DEDUP_AUTH_TOKEN=TOKEN,
-            DEDUP_MAX_BODY_BYTES=str(MAX_BODY),
-            DEDUP_MAX_BATCH_ITEMS=str(MAX_ITEMS),
-        )
-        svc = spawn_service(tmp_path_factory.mktemp("fuzz-http"), env)
-        try:
-            asyncio.run(wait_healthy(svc))
-            yield Fuzzed(svc, url, redis_server)
-            assert svc.stop() == 0, svc.log_text()
-        finally:
-            if svc.proc.poll() is None:
-                svc.kill()
-            if pg_cluster.is_alive():
-                pg_cluster.drop_database(name)
+    with service_on_own_servers(
+        pg_cluster,
+        tmp_path_factory.mktemp("fuzz-http"),
+        name,
+        url,
+        DEDUP_AUTH_TOKEN=TOKEN,
+        DEDUP_MAX_BODY_BYTES=str(MAX_BODY),
+        DEDUP_MAX_BATCH_ITEMS=str(MAX_ITEMS),
+    ) as (svc, redis_server):
+        yield Fuzzed(svc, url, redis_server)
 
 
 @pytest.fixture

@@ -22,15 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import PostgresCluster, RedisServer
+from tests.servers import PostgresCluster
 from tests.test_service import (
     ROOT,
     ServiceProcess,
-    migrate_in_thread,
     rows_for,
-    service_env,
-    spawn_service,
-    wait_healthy,
+    service_on_own_servers,
 )
 
 LOADTEST = ROOT / "loadtest"
@@ -56,21 +53,10 @@ def target(
     """One service for the module, with a token, on its own redis-server and database."""
     name = f"load_{os.getpid()}_{secrets.token_hex(4)}"
     url = pg_cluster.create_database(name)
-    migrate_in_thread(url)
-    try:
-        with RedisServer() as redis_server:
-            env = service_env(redis_server.url, url, DEDUP_AUTH_TOKEN=TOKEN)
-            svc = spawn_service(tmp_path_factory.mktemp("load"), env)
-            try:
-                asyncio.run(wait_healthy(svc))
-                yield Target(svc, redis_server.url, url)
-                assert svc.stop() == 0, svc.log_text()
-            finally:
-                if svc.proc.poll() is None:
-                    svc.kill()
-    finally:
-        if pg_cluster.is_alive():
-            pg_cluster.drop_database(name)
+    with service_on_own_servers(
+        pg_cluster, tmp_path_factory.mktemp("load"), name, url, DEDUP_AUTH_TOKEN=TOKEN
+    ) as (svc, redis_server):
+        yield Target(svc, redis_server.url, url)
 
 
 @dataclass

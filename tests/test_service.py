@@ -199,6 +199,32 @@ def migrate_in_thread(url: str) -> None:
         pool.submit(upgrade, url).result(timeout=60)
 
 
+@contextlib.contextmanager
+def service_on_own_servers(
+    pg_cluster: PostgresCluster, log_dir: Path, db_name: str, database_url: str, **env: str
+) -> Iterator[tuple[ServiceProcess, RedisServer]]:
+    """A healthy service on a redis-server of its own and the database ``db_name`` of
+    ``pg_cluster`` (created, reached through ``database_url``), migrated first.
+
+    After the block the service must stop cleanly on SIGTERM (exit 0); it is killed
+    if it did not stop, and the database is dropped whatever happened.
+    """
+    try:
+        migrate_in_thread(database_url)
+        with RedisServer() as redis_server:
+            svc = spawn_service(log_dir, service_env(redis_server.url, database_url, **env))
+            try:
+                asyncio.run(wait_healthy(svc))
+                yield svc, redis_server
+                assert svc.stop() == 0, svc.log_text()
+            finally:
+                if svc.proc.poll() is None:
+                    svc.kill()
+    finally:
+        if pg_cluster.is_alive():
+            pg_cluster.drop_database(db_name)
+
+
 # ----------------------------------------------------------------------------- fixtures
 
 
@@ -217,27 +243,18 @@ def served(
     name = f"svc_{os.getpid()}_{next(_db_counter)}"
     pg_cluster.create_database(name)
     url = pg_cluster.url(name).replace("postgres@", f"postgres:{DB_PASSWORD}@")
-    migrate_in_thread(url)
-    with RedisServer() as redis_server:
-        env = service_env(
-            redis_server.url,
-            url,
-            DEDUP_AUTH_TOKEN=TOKEN,
-            DEDUP_MAX_BODY_BYTES=str(MAX_BODY),
-            DEDUP_MAX_BATCH_ITEMS=str(MAX_ITEMS),
-            DEDUP_LOG_LEVEL="debug",  # the most verbose log must still hold no secret
-            DEDUP_ACCESS_LOG="true",
-        )
-        svc = spawn_service(tmp_path_factory.mktemp("served"), env)
-        try:
-            asyncio.run(wait_healthy(svc))
-            yield Served(svc, url, redis_server)
-            assert svc.stop() == 0, svc.log_text()
-        finally:
-            if svc.proc.poll() is None:
-                svc.kill()
-            if pg_cluster.is_alive():
-                pg_cluster.drop_database(name)
+    with service_on_own_servers(
+        pg_cluster,
+        tmp_path_factory.mktemp("served"),
+        name,
+        url,
+        DEDUP_AUTH_TOKEN=TOKEN,
+        DEDUP_MAX_BODY_BYTES=str(MAX_BODY),
+        DEDUP_MAX_BATCH_ITEMS=str(MAX_ITEMS),
+        DEDUP_LOG_LEVEL="debug",  # the most verbose log must still hold no secret
+        DEDUP_ACCESS_LOG="true",
+    ) as (svc, redis_server):
+        yield Served(svc, url, redis_server)
 
 
 @pytest.fixture
