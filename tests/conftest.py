@@ -9,6 +9,7 @@ Fixtures:
 * ``pg_empty_url`` (function): URL of a new, empty database, dropped after the test.
 * ``pg_url`` (function): like ``pg_empty_url`` with ``dedup.migrate.upgrade(url)`` applied.
 * ``fresh_pg`` (function): a private PostgreSQL cluster per test (kill/restart it freely).
+* ``spawn`` (function): gateway child processes (:class:`tests.test_processes.Child`).
 
 With ``CI=true`` in the environment, a run in which any test was skipped, deselected,
 xfailed or xpassed exits with status 1.
@@ -22,12 +23,14 @@ import itertools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import cast
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import redis
 
 from tests.servers import PostgresCluster, RedisServer
+from tests.test_processes import Child
 
 MIGRATE_TIMEOUT = 30.0
 
@@ -106,6 +109,27 @@ def fresh_pg() -> Iterator[PostgresCluster]:
     """A private PostgreSQL cluster for this test only; stopped and removed after it."""
     with PostgresCluster() as cluster:
         yield cluster
+
+
+# ------------------------------------------------------------------ gateway children
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], Child]]:
+    """``spawn(job) -> Child`` (``python -m tests.child``); after the test every child
+    is SIGCONTed (a test may have stopped it), SIGKILLed by its PID and reaped."""
+    children: list[Child] = []
+
+    def start(job: dict[str, Any]) -> Child:
+        child = Child(job, tmp_path / f"child-{len(children)}")
+        children.append(child)
+        return child
+
+    try:
+        yield start
+    finally:
+        for child in children:
+            child.kill()
 
 
 # ---------------------------------------------------------------- nothing hidden in CI

@@ -29,7 +29,7 @@ import random
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -234,27 +234,6 @@ async def resave_after(capsys: pytest.CaptureFixture[str], redis_url: str, pg_ur
     return sources
 
 
-@pytest.fixture
-def children(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], Child]]:
-    """``start(job) -> Child`` (``python -m tests.child``); after the test each child gets
-    SIGCONT (it may be stopped) and then SIGKILL, by its PID."""
-    started: list[Child] = []
-
-    def start(job: dict[str, Any]) -> Child:
-        child = Child(job, tmp_path / f"child-{len(started)}")
-        started.append(child)
-        return child
-
-    try:
-        yield start
-    finally:
-        for child in started:
-            with contextlib.suppress(ProcessLookupError):
-                if child.proc.poll() is None:
-                    os.kill(child.pid, signal.SIGCONT)
-            child.kill()
-
-
 def answers(path: Path) -> list[dict[str, Any]]:
     """The complete JSON lines a (possibly SIGKILLed) child wrote."""
     if not path.exists():
@@ -276,7 +255,7 @@ async def test_sigkill_gateway_processes_under_load(
     redis_url: str,
     pg_url: str,
     tmp_path: Path,
-    children: Callable[[dict[str, Any]], Child],
+    spawn: Callable[[dict[str, Any]], Child],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Three gateway processes save overlapping values; two are SIGKILLed mid-run (their
@@ -298,7 +277,7 @@ async def test_sigkill_gateway_processes_under_load(
             "stream": True,
             "options": {"lease_ms": 1000, "wait_timeout_s": WAIT_S, "max_batch": 64},
         }
-        procs.append((children(job), out))
+        procs.append((spawn(job), out))
     for child, _ in procs:
         assert child.read_line() == "READY"
     for child, _ in procs:
@@ -336,7 +315,7 @@ async def test_sigstopped_writer_past_its_lease(
     redis_url: str,
     pg_url: str,
     tmp_path: Path,
-    children: Callable[[dict[str, Any]], Child],
+    spawn: Callable[[dict[str, Any]], Child],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A writer is SIGSTOPped while it holds leases, for longer than the lease; another
@@ -355,7 +334,7 @@ async def test_sigstopped_writer_past_its_lease(
         "stream": True,
         "options": {"lease_ms": lease_ms, "wait_timeout_s": WAIT_S, "max_batch": 64},
     }
-    writer = children(job)
+    writer = spawn(job)
     assert writer.read_line() == "READY"
     writer.send("go\n")
     await until("the writer to answer", lambda: count_lines(out) >= 100)

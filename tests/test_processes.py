@@ -19,12 +19,10 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import asyncpg
-import pytest
 from redis.asyncio import Redis
 
 from dedup import Gateway
@@ -91,9 +89,12 @@ class Child:
         return self.stderr_path.read_text(errors="replace")[-4000:]
 
     def kill(self) -> None:
-        """SIGKILL by PID (if still running), reap it and close its pipes."""
+        """SIGCONT (a test may have stopped it) then SIGKILL by PID, if still running;
+        reap it and close its pipes."""
         if self.proc.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+                os.kill(self.pid, signal.SIGKILL)
         self.proc.wait(timeout=LINE_TIMEOUT_S)
         self._reader.join(timeout=LINE_TIMEOUT_S)
         for stream in (self.proc.stdin, self.proc.stdout):
@@ -101,23 +102,6 @@ class Child:
                 with contextlib.suppress(BrokenPipeError):  # a dead child's unflushed stdin
                     stream.close()
         self._stderr.close()
-
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Any]:
-    """``spawn(job) -> Child``; every child is SIGKILLed and reaped after the test."""
-    children: list[Child] = []
-
-    def start(job: dict[str, Any]) -> Child:
-        child = Child(job, tmp_path / f"child-{len(children)}")
-        children.append(child)
-        return child
-
-    try:
-        yield start
-    finally:
-        for child in children:
-            child.kill()
 
 
 def _namespace() -> str:
