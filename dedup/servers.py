@@ -309,10 +309,14 @@ class RedisServer(_Managed):
     def log_text(self) -> str:
         return _log_tail(self.log_path)
 
+    def _connect(self, timeout: float) -> socket.socket:
+        """A socket to the server, ready for commands (a subclass may wrap it in TLS)."""
+        return socket.create_connection((HOST, self._port), timeout=timeout)
+
     def ping(self, timeout: float = 1.0) -> bool:
-        """True if a PING over a plain socket answers +PONG within ``timeout``."""
+        """True if a PING answers +PONG within ``timeout``."""
         try:
-            with socket.create_connection((HOST, self._port), timeout=timeout) as sock:
+            with self._connect(timeout) as sock:
                 sock.sendall(b"PING\r\n")
                 data = b""
                 while b"\r\n" not in data:

@@ -118,23 +118,14 @@ class TlsRedisServer(RedisServer):
         context.load_cert_chain(str(self.certs.client_cert), str(self.certs.client_key))
         return context
 
-    def ping(self, timeout: float = 1.0) -> bool:
-        """True if a PING over TLS answers +PONG within ``timeout``."""
+    def _connect(self, timeout: float) -> socket.socket:
+        """The plain socket, wrapped in TLS with the test CA and client certificate."""
+        raw = socket.create_connection((self.host, self._port), timeout=timeout)
         try:
-            with (
-                socket.create_connection((self.host, self._port), timeout=timeout) as raw,
-                self.client_context().wrap_socket(raw, server_hostname=self.host) as sock,
-            ):
-                sock.sendall(b"PING\r\n")
-                data = b""
-                while b"\r\n" not in data:
-                    chunk = sock.recv(64)
-                    if not chunk:
-                        break
-                    data += chunk
-                return data.startswith(b"+PONG")
-        except (OSError, ssl.SSLError):
-            return False
+            return self.client_context().wrap_socket(raw, server_hostname=self.host)
+        except BaseException:
+            raw.close()
+            raise
 
     @property
     def url(self) -> str:
