@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from dedup.errors import InvalidInput, StaleFence
 from dedup.lock import RELEASE_CHANNEL, Lock, _fence_key, check_fence, fenced_set
 from tests.lock_child import write_fenced
 from tests.servers import RedisServer
+from tests.test_multiprocess import read_line
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE_S = 30.0
@@ -669,24 +669,6 @@ def _spawn(job: dict[str, Any]) -> subprocess.Popen[str]:
     )
 
 
-def _read_line(proc: subprocess.Popen[str], timeout: float = DEADLINE_S) -> str:
-    """One line of the child's stdout, bounded in time."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    os.set_blocking(proc.stdout.fileno(), False)
-    try:
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if line:
-                return line.strip()
-            if proc.poll() is not None:
-                raise AssertionError(f"child exited with {proc.returncode}")
-            time.sleep(0.02)
-    finally:
-        os.set_blocking(proc.stdout.fileno(), True)
-    raise AssertionError("child did not answer in time")
-
-
 def _send(proc: subprocess.Popen[str], line: str) -> None:
     assert proc.stdin is not None
     proc.stdin.write(line + "\n")
@@ -728,10 +710,10 @@ async def test_processes_take_turns_with_growing_fences(
     }
     children.extend(_spawn(job) for _ in range(processes))
     for p in children:
-        assert _read_line(p) == "READY"
+        assert read_line(p) == "READY"
     for p in children:
         _send(p, "go")
-    results = [json.loads(_read_line(p, timeout=60)) for p in children]
+    results = [json.loads(read_line(p, timeout=60)) for p in children]
     assert all(res == {"max_inside": 1, "count": tasks * iterations} for res in results)
     log = [json.loads(entry) for entry in await r.lrange("log", 0, -1)]
     assert len(log) == processes * tasks * iterations
@@ -750,7 +732,7 @@ async def test_a_killed_holder_frees_the_lock_after_its_lease(
         "options": {"timeout": 1, "watchdog": True},
     }
     children.append(_spawn(job))
-    first = json.loads(_read_line(children[0]))["fence"]
+    first = json.loads(read_line(children[0]))["fence"]
     children[0].kill()
     children[0].wait(timeout=DEADLINE_S)
     lock = Lock(r, "crash", sleep=5)
@@ -777,7 +759,7 @@ async def test_a_paused_holders_late_writes_are_rejected(
     }
     child = _spawn(job)
     children.append(child)
-    stale_fence = json.loads(_read_line(child))["fence"]
+    stale_fence = json.loads(read_line(child))["fence"]
     child.send_signal(signal.SIGSTOP)  # a long GC pause, say: its watchdog stops too
     lock = Lock(r, "pause", timeout=30)
     assert await lock.acquire(blocking_timeout=DEADLINE_S)  # after the child's lease
@@ -788,7 +770,7 @@ async def test_a_paused_holders_late_writes_are_rejected(
     }
     _send(child, "write")  # read when it wakes up, still believing it holds the lock
     child.send_signal(signal.SIGCONT)
-    assert json.loads(_read_line(child)) == {"sql": "rejected", "redis": "rejected", "owned": False}
+    assert json.loads(read_line(child)) == {"sql": "rejected", "redis": "rejected", "owned": False}
     conn = await asyncpg.connect(pg_empty_url)
     try:
         row = await conn.fetchrow("SELECT writer, fence FROM ledger WHERE resource = 'acct'")

@@ -31,7 +31,7 @@ def _spawn(job: dict[str, Any]) -> subprocess.Popen[str]:
     )
 
 
-def _read_line(proc: subprocess.Popen[str], timeout: float = 30) -> str:
+def read_line(proc: subprocess.Popen[str], timeout: float = 30) -> str:
     """One line of the child's stdout, bounded in time."""
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
@@ -93,7 +93,7 @@ async def test_processes_save_overlapping_values_exactly_once(
             )
         )
     for p in children:
-        assert _read_line(p) == "READY"
+        assert read_line(p) == "READY"
     for p in children:
         assert p.stdin is not None
         p.stdin.write("go\n")
@@ -126,7 +126,7 @@ async def test_killed_lease_holder_is_taken_over(
         {"mode": "hold", "redis_url": redis_url, "values": values, "options": {"lease_ms": 1500}}
     )
     children.append(holder)
-    assert _read_line(holder) == "HOLDING"  # its claim batch won: the leases are held
+    assert read_line(holder) == "HOLDING"  # its claim batch won: the leases are held
     holder.kill()  # SIGKILL: no release, no goodbye
     holder.wait(timeout=30)
     async with Gateway(redis_url, pg_url, wait_timeout_s=30) as gw:
