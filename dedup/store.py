@@ -28,6 +28,7 @@ __all__ = [
     "SqliteSink",
     "keep_session",
     "open_sink",
+    "pg_insert",
 ]
 
 DATABASE_SCHEMES = ("postgresql://", "postgres://", "sqlite:///")
@@ -85,6 +86,20 @@ class DefaultSink(Protocol):
 
     async def delete(self, kinds: Sequence[str]) -> int:
         """Delete the rows of ``kinds``; returns how many (used by the demo)."""
+
+
+async def pg_insert(
+    db: asyncpg.Pool | asyncpg.Connection, rows: Sequence[Row]
+) -> list[tuple[str, bytes]]:
+    """Run :data:`PG_INSERT` for ``rows`` on a pool or connection; the inserted keys."""
+    records = await db.fetch(
+        PG_INSERT,
+        [r.kind for r in rows],
+        [r.digest for r in rows],
+        [r.value for r in rows],
+        [r.payload_json for r in rows],
+    )
+    return [(rec[0], rec[1]) for rec in records]
 
 
 async def keep_session(conn: asyncpg.Connection) -> None:
@@ -148,14 +163,7 @@ class PostgresSink:
 
     async def __call__(self, rows: Sequence[Row]) -> list[tuple[str, bytes]]:
         """Insert ``rows`` with one statement and return the inserted keys."""
-        records = await self._require_pool().fetch(
-            PG_INSERT,
-            [r.kind for r in rows],
-            [r.digest for r in rows],
-            [r.value for r in rows],
-            [r.payload_json for r in rows],
-        )
-        return [(rec[0], rec[1]) for rec in records]
+        return await pg_insert(self._require_pool(), rows)
 
     async def count(self, kinds: Sequence[str]) -> int:
         """How many rows the table holds for ``kinds``."""

@@ -43,7 +43,7 @@ from redis.asyncio import Redis
 from dedup import DedupError, Gateway, Overloaded, Row, SaveResult, Unavailable
 from dedup.keys import KeySpace, digest
 from dedup.migrate import upgrade_async
-from dedup.store import PG_INSERT
+from dedup.store import pg_insert
 from tests.servers import PostgresCluster, RedisServer
 from tests.slow_proxy import SlowProxy
 from tests.test_processes import Child
@@ -603,14 +603,7 @@ def slow_pg_sink(pool: asyncpg.Pool, sleep_s: float, counts: dict[str, int]) -> 
         try:
             async with pool.acquire() as conn, conn.transaction():
                 await conn.execute("SELECT pg_sleep($1)", sleep_s)
-                records = await conn.fetch(
-                    PG_INSERT,
-                    [r.kind for r in rows],
-                    [r.digest for r in rows],
-                    [r.value for r in rows],
-                    [r.payload_json for r in rows],
-                )
-            return [(rec[0], rec[1]) for rec in records]
+                return await pg_insert(conn, rows)
         finally:
             counts["running"] -= 1
 
