@@ -83,11 +83,13 @@ class EmbeddedRedis:
     """A private redis-server on a unix socket in ``data_dir``, stopped on ``aclose``."""
 
     def __init__(self, data_dir: Path, *, start_timeout_s: float = 15.0) -> None:
-        self.data_dir = data_dir
+        # Absolute: redis-server changes into --dir before it binds --unixsocket (and
+        # opens --logfile), so a relative path would point inside data_dir itself.
+        self.data_dir = data_dir.resolve()
         self._start_timeout_s = start_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._socket_dir: str | None = None
-        self.socket_path = data_dir / "redis.sock"
+        self.socket_path = self.data_dir / "redis.sock"
 
     @property
     def url(self) -> str:

@@ -45,6 +45,18 @@ async def test_embedded_default_starts_and_stops_its_servers(tmp_path: Path) -> 
         assert (r.created, r.source) == (False, "db")
 
 
+async def test_relative_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default data_dir is relative (".dedup"): redis-server must still find its log
+    and socket paths although it changes into that folder first."""
+    monkeypatch.chdir(tmp_path)
+    async with Gateway(data_dir=".dedup") as gw:
+        assert (await gw.save("email", "a")).created
+        assert (await gw.save("email", "a")).source == "local"
+    assert (tmp_path / ".dedup" / "redis.log").exists()
+    with sqlite3.connect(tmp_path / ".dedup" / "dedup.sqlite3") as conn:
+        assert conn.execute("SELECT count(*) FROM dedup_items").fetchone() == (1,)
+
+
 async def test_data_dir_cannot_be_shared_by_accident(tmp_path: Path) -> None:
     async with Gateway(data_dir=tmp_path) as _:
         with pytest.raises(ConfigError, match=f"data_dir {tmp_path} is in use.*pid {os.getpid()}"):
