@@ -33,6 +33,7 @@ from typing import Any
 import asyncpg
 
 from dedup import Gateway, Overloaded
+from dedup.loop import run as run_loop
 from dedup.migrate import upgrade_async
 from dedup.servers import PostgresCluster, RedisServer
 
@@ -161,9 +162,4 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 if __name__ == "__main__":
     arguments = parse(sys.argv[1:])
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main(arguments))
-    else:
-        uvloop.run(main(arguments))
+    run_loop(main(arguments))

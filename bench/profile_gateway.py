@@ -20,6 +20,7 @@ import collections
 from pathlib import Path
 
 from dedup import bench
+from dedup.loop import run as run_loop
 from dedup.migrate import upgrade
 from dedup.servers import PostgresCluster, RedisServer
 
@@ -73,7 +74,7 @@ def main() -> None:
     with RedisServer() as redis_server, PostgresCluster() as pg:
         url = pg.create_database("profile")
         upgrade(url)
-        bench._loop_run(_run(args.strategy, args.requests, redis_server.url, url))
+        run_loop(_run(args.strategy, args.requests, redis_server.url, url))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from dedup.demo import make_stream
 from dedup.gateway import Gateway
 from dedup.keys import digest
 from dedup.local import SavedCache
+from dedup.loop import run as run_loop
 from dedup.store import keep_session
 
 __all__ = ["BenchConfig", "RunResult", "run_bench"]
@@ -423,16 +424,8 @@ def _worker_main() -> None:
             job["strategy"], values, job["concurrency"], job["redis_url"], job["pg_url"]
         )
 
-    result = _loop_run(main())
+    result = run_loop(main())
     print(json.dumps(result), flush=True)
-
-
-def _loop_run(coro: Awaitable[Any]) -> Any:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)  # type: ignore[arg-type]
-    return uvloop.run(coro)  # type: ignore[arg-type]
 
 
 def _run_processes(
@@ -586,27 +579,27 @@ def run_bench(
         values = _values(workload, cfg)
         unique = len(set(values))
         for strategy in STRATEGIES:
-            _loop_run(_reset(redis_url, pg_url))
+            run_loop(_reset(redis_url, pg_url))
             log(f"{workload:<8} {strategy:<11} 1 process ...")
-            raw = _loop_run(run_one(strategy, values, cfg.concurrency, redis_url, pg_url))
-            rows = _loop_run(_count_rows(pg_url))
+            raw = run_loop(run_one(strategy, values, cfg.concurrency, redis_url, pg_url))
+            rows = run_loop(_count_rows(pg_url))
             results.append(RunResult(strategy, workload, 1, len(values), unique, rows=rows, **raw))
         if workload == "zipf":
             for strategy in ("db-only", "dedup"):
                 for n in cfg.processes:
                     if n == 1:
                         continue
-                    _loop_run(_reset(redis_url, pg_url))
+                    run_loop(_reset(redis_url, pg_url))
                     log(f"{workload:<8} {strategy:<11} {n} processes ...")
                     raw = _run_processes(strategy, values, n, cfg, redis_url, pg_url)
-                    rows = _loop_run(_count_rows(pg_url))
+                    rows = run_loop(_count_rows(pg_url))
                     results.append(
                         RunResult(strategy, workload, n, len(values), unique, rows=rows, **raw)
                     )
-        report["ceilings"].update(_loop_run(_insert_ceiling(pg_url, values)))
+        report["ceilings"].update(run_loop(_insert_ceiling(pg_url, values)))
     report["ceilings"].update(_redis_ceiling(redis_url, redis_port))
-    report["memory"] = _loop_run(_memory(redis_url, pg_url, cfg.memory_values))
-    _loop_run(_reset(redis_url, pg_url))
+    report["memory"] = run_loop(_memory(redis_url, pg_url, cfg.memory_values))
+    run_loop(_reset(redis_url, pg_url))
     report["ceilings"]["cpu_count"] = os.cpu_count()
     report["ceilings"]["max_rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     report["runs"] = [{**asdict(r), "rps": r.rps, "passed": r.passed} for r in results]

@@ -9,7 +9,6 @@ is split by hash slot, one call per slot, run concurrently.
 from __future__ import annotations
 
 import asyncio
-import re
 import secrets
 from collections.abc import Sequence
 from typing import Any
@@ -24,8 +23,17 @@ from redis.exceptions import ConnectionError, RedisError
 from dedup.errors import ConfigError
 from dedup.metrics import Stats
 from dedup.scripts import ABORT, CLAIM, COMMIT, Script
+from dedup.urls import scrub
 
-__all__ = ["CLUSTER_SCHEMES", "REDIS_SCHEMES", "Claims", "connect_redis", "unlink_matching"]
+__all__ = [
+    "CLUSTER_SCHEMES",
+    "REDIS_SCHEMES",
+    "Claims",
+    "connect_redis",
+    "per_node",
+    "unlink_matching",
+    "unsafe_policies",
+]
 
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
@@ -67,24 +75,25 @@ def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis 
     except (TypeError, ValueError, RedisError) as exc:
         raise ConfigError(
             "redis_url has an option redis-py cannot use (ssl_* ones need rediss://; / @ : in "
-            f"a password must be percent-encoded): {_scrub(str(exc), url)}"
+            f"a password must be percent-encoded): {scrub(str(exc), url)}"
         ) from None
     return Redis.from_pool(pool)  # the client owns the pool and closes it in aclose()
 
 
-def _scrub(message: str, url: str) -> str:
-    """``message`` without any piece of the password of ``url``.
+def per_node(info: Any) -> list[dict[str, Any]]:
+    """An ``INFO`` answer as one dict per node: a cluster answers per node, a single
+    server with one dict."""
+    if info and isinstance(next(iter(info.values())), dict):
+        return list(info.values())
+    return [info]
 
-    A password with an unescaped ``/`` or ``@`` splits the URL in the wrong places, and
-    the parser's complaint quotes a piece of it (``Port could not be cast to integer
-    value as 'pw'``): every such piece of two characters or more is hidden.
-    """
-    userinfo = url.partition("://")[2].rpartition("@")[0]
-    password = userinfo.partition(":")[2]
-    for piece in sorted(re.split(r"[/:@?#]", password), key=len, reverse=True):
-        if len(piece) >= 2:
-            message = message.replace(piece, "***")
-    return message
+
+def unsafe_policies(memory_info: Any) -> set[str]:
+    """The ``maxmemory-policy`` values other than ``noeviction`` in an ``INFO memory``
+    answer (of one server or of every cluster node). dedup needs noeviction: leases and
+    markers carry TTLs, so ``volatile-*`` policies evict them too."""
+    policies = {str(i.get("maxmemory_policy", "noeviction")) for i in per_node(memory_info)}
+    return policies - {"noeviction"}
 
 
 async def unlink_matching(client: Redis | RedisCluster, pattern: bytes | str) -> int:

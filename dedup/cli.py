@@ -7,27 +7,19 @@ Settings reach every subcommand as flag > ``DEDUP_*`` environment variable >
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from dedup.errors import DedupError
+from dedup.loop import run
 from dedup.settings import Config, Settings, load_config, load_settings
+from dedup.urls import embedded_sqlite_url
 
 __all__ = ["build_parser", "main"]
 
 T = TypeVar("T")
-
-
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run on uvloop when installed: it makes the event loop itself cheaper."""
-    try:
-        import uvloop  # optional speed-up
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +108,7 @@ _MARKS = {"ok": "OK  ", "warn": "WARN", "fail": "FAIL"}
 def _check(args: argparse.Namespace) -> int:
     from dedup.service import check
 
-    findings = _run(check(_config(args)))
+    findings = run(check(_config(args)))
     for f in findings:
         print(f"{_MARKS[f.status]} {f.subject:<8} {f.message}")
     failed = sum(f.status == "fail" for f in findings)
@@ -140,7 +132,7 @@ def _demo(args: argparse.Namespace) -> int:
     kwargs = settings.gateway_kwargs()
     if kwargs["database_url"] is not None:
         kwargs["migrate"] = True
-    report = _run(
+    report = run(
         run_demo(
             kwargs,
             events=args.events,
@@ -161,11 +153,9 @@ def _migrate(args: argparse.Namespace) -> int:
     settings = _settings(args)
     url = settings.database_url
     if not url:
-        from pathlib import Path
-
-        url = f"sqlite:///{Path(settings.data_dir).resolve() / 'dedup.sqlite3'}"
+        url = embedded_sqlite_url(settings.data_dir)
     from dedup.errors import ConfigError, Unavailable
-    from dedup.gateway import check_url_password, redact
+    from dedup.urls import check_url_password, redact
 
     check_url_password(url, "database_url")  # else the errors could quote pieces of it
     try:

@@ -29,7 +29,6 @@ import heapq
 import logging
 import math
 import random
-import re
 from collections.abc import Awaitable, Iterable, Sequence
 from hashlib import blake2b
 from pathlib import Path
@@ -42,8 +41,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from dedup._parts import EngineParts
 from dedup.breaker import CircuitBreaker
-from dedup.claims import CLUSTER_SCHEMES, REDIS_SCHEMES, Claims, connect_redis, unlink_matching
+from dedup.claims import (
+    CLUSTER_SCHEMES,
+    REDIS_SCHEMES,
+    Claims,
+    connect_redis,
+    unlink_matching,
+    unsafe_policies,
+)
 from dedup.embedded import DataDirLock, EmbeddedRedis
 from dedup.errors import ConfigError, DedupError, InvalidInput, Overloaded, Unavailable, WaitTimeout
 from dedup.keys import (
@@ -58,6 +65,7 @@ from dedup.local import SavedCache
 from dedup.metrics import Stats
 from dedup.store import DATABASE_SCHEMES, DefaultSink, open_sink
 from dedup.types import BatchWriter, Item, Row, SaveResult, Source
+from dedup.urls import check_url_password, embedded_sqlite_url, redact
 
 __all__ = ["Gateway"]
 
@@ -73,35 +81,6 @@ _RESULTS: dict[Source, SaveResult] = {
 _LOCAL = _RESULTS["local"]
 _WAKE_TICK_S = 0.005
 _INFLIGHT = _RESULTS["inflight"]
-
-
-# user:password@ up to the LAST @ of a non-blank run: a password with an unescaped
-# "/" or "@" is hidden whole (hiding too much is the safe way to be wrong).
-_URL_PASSWORD = re.compile(r"(//[^\s:/?#@]*:)[^\s]*@")
-# ?password=, &ssl_password=... as redis-py and libpq read them from the query.
-_QUERY_PASSWORD = re.compile(r"([?&][a-z_]*password=)[^&#\s]*", re.IGNORECASE)
-
-
-def check_url_password(url: str, name: str) -> None:
-    """Raise :class:`ConfigError` if ``url``'s password holds an unescaped ``/`` or ``@``.
-
-    Such a URL splits in the wrong places, and the parsers' complaints then quote
-    pieces of the password (``invalid literal for int(): '<piece>'``), which
-    :func:`redact` cannot recognise. The message names neither the URL nor the password.
-    """
-    rest = url.partition("://")[2]
-    if rest.startswith("/"):  # unix:// and sqlite:/// paths have no user part
-        return
-    userinfo = rest.split("?", 1)[0].rpartition("@")[0]
-    if "/" in userinfo or "@" in userinfo:
-        raise ConfigError(
-            f"{name}: percent-encode / and @ in the user name and password (%2F, %40)"
-        )
-
-
-def redact(url: str) -> str:
-    """``url`` (or a message holding URLs) with every password replaced, for messages and logs."""
-    return _QUERY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", url))
 
 
 class _Flight:
@@ -344,7 +323,7 @@ class Gateway:
             self._embedded = EmbeddedRedis(self._data_dir)
             redis_url = await self._embedded.start()
         if embedded_db:
-            database_url = f"sqlite:///{self._data_dir.resolve() / 'dedup.sqlite3'}"
+            database_url = embedded_sqlite_url(self._data_dir)
 
         connections = self._max_claim_batches + self._max_write_batches + 2
         self._redis = connect_redis(
@@ -414,10 +393,7 @@ class Gateway:
                 f"cannot connect to Redis at {redact(url)}: {exc}", component="redis"
             ) from exc
         self._stats.redis_round_trips += 1
-        # A cluster answers per node; a single server with one dict.
-        infos = info.values() if info and isinstance(next(iter(info.values())), dict) else [info]
-        policies = {str(i.get("maxmemory_policy", "noeviction")) for i in infos}
-        bad = policies - {"noeviction"}
+        bad = unsafe_policies(info)
         if bad and not self._allow_eviction:
             raise ConfigError(
                 f"Redis at {redact(url)} has maxmemory-policy {', '.join(sorted(bad))}; dedup "
@@ -661,6 +637,24 @@ class Gateway:
 
         redis_up, database_up = await asyncio.gather(redis_ok(), database_ok())
         return {"redis": redis_up, "database": database_up}
+
+    def _parts(self) -> EngineParts:
+        """The open Gateway's parts, for :mod:`dedup._embed`; DedupError when not open."""
+        if self._state != "open" or self._claims is None or self._sink is None:
+            raise DedupError(f"the Gateway is {self._state}, not open")
+        return EngineParts(
+            keys=self._keys,
+            limits=self._limits,
+            claims=self._claims,
+            sink=self._sink,
+            default_sink=self._default_sink,
+            local=self._local,
+            stats=self._stats,
+            lease_ms=self._lease_ms,
+            wait_timeout_s=self._wait_timeout_s,
+            write_timeout_s=self._write_timeout_s,
+            degraded=lambda: not self._breaker.closed,
+        )
 
     def _require_default_sink(self) -> DefaultSink:
         if self._default_sink is None:

@@ -35,7 +35,7 @@ import signal
 import sqlite3
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -52,11 +52,13 @@ from dedup.errors import (
     Unavailable,
     WaitTimeout,
 )
-from dedup.gateway import Gateway, check_url_password, redact
+from dedup.gateway import Gateway
+from dedup.loop import run as run_loop
 from dedup.metrics import Stats
 from dedup.openapi import openapi_document
 from dedup.settings import Config, ServiceSettings
 from dedup.types import Item, SaveResult
+from dedup.urls import check_url_password, embedded_sqlite_url, redact
 
 __all__ = [
     "Finding",
@@ -654,15 +656,6 @@ def _bound_port(runner: web.AppRunner, fallback: int) -> int:
     return fallback
 
 
-def _run_loop(coro: Coroutine[Any, Any, _T]) -> _T:
-    """Run on uvloop when installed: it makes the event loop itself cheaper."""
-    try:
-        import uvloop  # optional speed-up
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def setup_logging(level: str) -> None:
     """Log to stderr with the PID (several workers share one stream)."""
     logging.basicConfig(
@@ -691,7 +684,7 @@ def run(settings: ServiceSettings, gateway_kwargs: Mapping[str, Any]) -> int:
         )
     if settings.workers == 1:
         gateway = Gateway(**gateway_kwargs)  # checks the options before anything starts
-        _run_loop(serve(gateway, settings))
+        run_loop(serve(gateway, settings))
         return 0
     Gateway(**gateway_kwargs)  # the same early check, before any worker is spawned
     return _Supervisor(settings, dict(gateway_kwargs)).run()
@@ -711,7 +704,7 @@ def _worker_main(
         ready.close()
 
     try:
-        _run_loop(serve(Gateway(**gateway_kwargs), settings, reuse_port=True, on_ready=on_ready))
+        run_loop(serve(Gateway(**gateway_kwargs), settings, reuse_port=True, on_ready=on_ready))
     except DedupError as exc:
         print(f"dedup: worker {index}: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -1051,7 +1044,7 @@ async def check(config: Config) -> list[Finding]:
             )
     url = gateway.database_url
     if not url:
-        sqlite_path = os.path.join(gateway.data_dir, "dedup.sqlite3")
+        sqlite_path = embedded_sqlite_url(gateway.data_dir).removeprefix("sqlite:///")
         found.append(
             Finding("ok", "database", f"embedded: SQLite {sqlite_path}, migrated at start")
         )

@@ -1,0 +1,65 @@
+"""URL helpers shared by every module that shows or parses a URL: hide passwords.
+
+:func:`redact` hides passwords in messages and logs; :func:`check_url_password`
+refuses a URL whose password would split it in the wrong places; :func:`scrub`
+hides the pieces of such a password that a parser's complaint may quote.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from dedup.errors import ConfigError
+
+__all__ = ["check_url_password", "embedded_sqlite_url", "redact", "scrub"]
+
+# user:password@ up to the LAST @ of a non-blank run: a password with an unescaped
+# "/" or "@" is hidden whole (hiding too much is the safe way to be wrong).
+_URL_PASSWORD = re.compile(r"(//[^\s:/?#@]*:)[^\s]*@")
+# ?password=, &ssl_password=... as redis-py and libpq read them from the query.
+_QUERY_PASSWORD = re.compile(r"([?&][a-z_]*password=)[^&#\s]*", re.IGNORECASE)
+
+
+def check_url_password(url: str, name: str) -> None:
+    """Raise :class:`ConfigError` if ``url``'s password holds an unescaped ``/`` or ``@``.
+
+    Such a URL splits in the wrong places, and the parsers' complaints then quote
+    pieces of the password (``invalid literal for int(): '<piece>'``), which
+    :func:`redact` cannot recognise. The message names neither the URL nor the password.
+    """
+    rest = url.partition("://")[2]
+    if rest.startswith("/"):  # unix:// and sqlite:/// paths have no user part
+        return
+    userinfo = rest.split("?", 1)[0].rpartition("@")[0]
+    if "/" in userinfo or "@" in userinfo:
+        raise ConfigError(
+            f"{name}: percent-encode / and @ in the user name and password (%2F, %40)"
+        )
+
+
+def redact(url: str) -> str:
+    """``url`` (or a message holding URLs) with every password replaced, for messages and logs."""
+    return _QUERY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", url))
+
+
+def scrub(message: str, url: str) -> str:
+    """``message`` without any piece of the password of ``url``.
+
+    A password with an unescaped ``/`` or ``@`` splits the URL in the wrong places, and
+    the parser's complaint quotes a piece of it (``Port could not be cast to integer
+    value as 'pw'``): every such piece of two characters or more is hidden. Not the
+    same guard as :func:`check_url_password`: a password holding an unescaped ``?`` or
+    ``#`` passes that check and can still be quoted by redis-py's parser.
+    """
+    userinfo = url.partition("://")[2].rpartition("@")[0]
+    password = userinfo.partition(":")[2]
+    for piece in sorted(re.split(r"[/:@?#]", password), key=len, reverse=True):
+        if len(piece) >= 2:
+            message = message.replace(piece, "***")
+    return message
+
+
+def embedded_sqlite_url(data_dir: str | Path) -> str:
+    """The SQLite URL of the embedded default database under ``data_dir``."""
+    return f"sqlite:///{Path(data_dir).resolve() / 'dedup.sqlite3'}"
