@@ -23,7 +23,7 @@ from redis.exceptions import ConnectionError, RedisError
 from dedup.errors import ConfigError
 from dedup.metrics import Stats
 from dedup.scripts import ABORT, CLAIM, COMMIT, Script
-from dedup.urls import scrub
+from dedup.urls import CLUSTER_SCHEMES, REDIS_SCHEMES, scrub
 
 __all__ = [
     "CLUSTER_SCHEMES",
@@ -35,8 +35,6 @@ __all__ = [
     "unsafe_policies",
 ]
 
-CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
 
 _CLAIM, _COMMIT, _ABORT = Script(CLAIM), Script(COMMIT), Script(ABORT)
 

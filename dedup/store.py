@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from dedup.errors import ConfigError
 from dedup.types import Row
+from dedup.urls import DATABASE_SCHEMES
 
 __all__ = [
     "DATABASE_SCHEMES",
@@ -31,7 +32,6 @@ __all__ = [
     "pg_insert",
 ]
 
-DATABASE_SCHEMES = ("postgresql://", "postgres://", "sqlite:///")
 
 PG_INSERT = """
 INSERT INTO dedup_items (kind, digest, value, payload)

@@ -12,7 +12,19 @@ from pathlib import Path
 
 from dedup.errors import ConfigError
 
-__all__ = ["check_url_password", "embedded_sqlite_url", "redact", "scrub"]
+__all__ = [
+    "CLUSTER_SCHEMES",
+    "DATABASE_SCHEMES",
+    "REDIS_SCHEMES",
+    "check_url_password",
+    "embedded_sqlite_url",
+    "redact",
+    "scrub",
+]
+
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
+DATABASE_SCHEMES = ("postgresql://", "postgres://", "sqlite:///")
 
 # user:password@ up to the LAST @ of a non-blank run: a password with an unescaped
 # "/" or "@" is hidden whole (hiding too much is the safe way to be wrong).
