@@ -62,8 +62,13 @@ class Overloaded(DedupError):
     """Raised when the gateway sheds load instead of queueing without bound."""
 
 
-class ConfigError(DedupError):
-    """Raised when options, URLs or the servers' settings make a Gateway unsafe to start."""
+class ConfigError(DedupError, ValueError):
+    """Raised when options, URLs or the servers' settings make a Gateway (or a lock)
+    unsafe to start.
+
+    Also a ``ValueError``, so code that caught the ``ValueError`` of a bad option
+    keeps working.
+    """
 
 
 # ----------------------------------------------------------------------------- locks

@@ -31,13 +31,15 @@ acquire script from ``TIME``. The last fence is kept in ``<name>:fence`` for
 fences growing after that key expired or Redis restarted empty, the counter part
 keeps them growing if the server's clock steps back by less than that memory.
 
-:class:`Redlock` (multi-master) lives in :mod:`dedup.redlock` and is re-exported here.
+:class:`Redlock` (multi-master) lives in :mod:`dedup.redlock`, the fence helpers in
+:mod:`dedup.fence` and the release listener in :mod:`dedup._release`; the public names
+of the first two are re-exported here. Bad options raise :class:`dedup.errors.ConfigError`
+(also a ``ValueError``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import random
@@ -45,16 +47,17 @@ import secrets
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from types import SimpleNamespace, TracebackType
-from typing import Any, Literal, Protocol, Self
+from typing import Any, Literal, Self
 
-from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.lock import Lock as RedisLock
-from redis.crc import key_slot
 from redis.exceptions import LockError as RedisLockError
 from redis.exceptions import RedisError
 
-from dedup.errors import InvalidInput, LockError, LockNotOwned, StaleFence
+from dedup._release import READY_TIMEOUT_S, RELEASE_CHANNEL, ReleaseListener, Waiter, listener_for
+from dedup.errors import ConfigError, LockError, LockNotOwned
+from dedup.fence import FENCE_CHECK_SQL, FENCED_SET, check_fence, fence_key, fenced_set
 from dedup.redlock import Redlock
 from dedup.scripts import Script
 
@@ -76,9 +79,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-RELEASE_CHANNEL = b"dedup:lock:released"
-"""The one channel on which every release publishes the name of the lock it freed."""
 
 DEFAULT_FENCE_MEMORY_S = 60.0
 """How long the last fence of a name is remembered after its last grant."""
@@ -222,221 +222,9 @@ return owner_of(KEYS[1])
 """
 )
 
-FENCED_SET = """
--- KEYS[1]: the protected key, a hash: value, fence
--- ARGV[1]: the value to write; ARGV[2]: the writer's fence
--- Returns: 1 = written; 0 = rejected, the key carries a higher fence (a newer
---   holder wrote since: this writer's lock had expired)
-local seen = redis.call('HGET', KEYS[1], 'fence')
-if seen and tonumber(seen) > tonumber(ARGV[2]) then return 0 end
-redis.call('HSET', KEYS[1], 'value', ARGV[1], 'fence', ARGV[2])
-return 1
-"""
-
 _ACQUIRE, _ACQUIRE_REENTRANT = Script(ACQUIRE), Script(ACQUIRE_REENTRANT)
 _RELEASE, _EXTEND, _REACQUIRE = Script(RELEASE), Script(EXTEND), Script(REACQUIRE)
-_OWNER, _FENCED_SET = Script(OWNER), Script(FENCED_SET)
-
-# ------------------------------------------------------------------------------ SQL
-
-FENCE_CHECK_SQL = """
-INSERT INTO lock_fences (resource, fence) VALUES ($1, $2)
-ON CONFLICT (resource) DO UPDATE SET fence = EXCLUDED.fence
-    WHERE lock_fences.fence <= EXCLUDED.fence
-RETURNING fence
-"""
-"""Records fence ``$2`` for resource ``$1`` unless a higher one is recorded; returns a
-row only when accepted. The conflicting row stays locked until the transaction ends,
-so writers of one resource pass one at a time. The application owns the table::
-
-    CREATE TABLE lock_fences (resource text PRIMARY KEY, fence bigint NOT NULL);
-"""
-
-
-class _Connection(Protocol):
-    """What :func:`check_fence` needs of an asyncpg connection (or pool proxy)."""
-
-    async def fetchval(self, query: str, *args: Any) -> Any:
-        """Run ``query``; the first column of its first row."""
-
-    def is_in_transaction(self) -> bool:
-        """True inside ``conn.transaction()``."""
-
-
-async def check_fence(conn: _Connection, resource: str, fence: int) -> None:
-    """Let the write that follows in this transaction through only if ``fence`` is
-    not lower than any fence already accepted for ``resource``.
-
-    Run it first inside the transaction of the write it guards; an equal fence is
-    accepted (the same holder writing twice). Raises
-    :class:`~dedup.errors.StaleFence` when a newer holder wrote since: roll back.
-    """
-    if not conn.is_in_transaction():
-        raise InvalidInput(
-            "check_fence must run inside the transaction of the write it guards", field="conn"
-        )
-    if await conn.fetchval(FENCE_CHECK_SQL, resource, fence) is None:
-        raise StaleFence(
-            f"fence {fence} for {resource!r} is stale: a newer lock holder wrote since",
-            resource=resource,
-            fence=fence,
-        )
-
-
-async def fenced_set(
-    client: Redis | RedisCluster, key: str | bytes, value: str | bytes, fence: int
-) -> None:
-    """Set ``value`` in the hash ``key`` (fields ``value`` and ``fence``) unless it
-    carries a higher fence; raises :class:`~dedup.errors.StaleFence` if it does."""
-    raw_key = key.encode() if isinstance(key, str) else key
-    written, _ = await _FENCED_SET(client, [raw_key], [value, fence])
-    if written != 1:
-        name = raw_key.decode(errors="replace")
-        raise StaleFence(
-            f"fence {fence} for {name!r} is stale: a newer lock holder wrote since",
-            resource=name,
-            fence=fence,
-        )
-
-
-# ------------------------------------------------------------------ release signals
-
-# How often the subscription's reader looks up from the socket, and how long it
-# stays subscribed without waiters (so that a burst of short waits shares one).
-_LISTEN_POLL_S = 0.25
-_LINGER_S = 2.0
-# How long a first waiter waits for the subscription to be confirmed before it
-# falls back to polling.
-_READY_TIMEOUT_S = 1.0
-
-
-class _Waiter:
-    """One waiting acquire: its flag is set by a release signal and consumed by wait()."""
-
-    __slots__ = ("event", "key")
-
-    def __init__(self, key: bytes) -> None:
-        self.key = key
-        self.event = asyncio.Event()
-
-    async def wait(self, timeout_s: float) -> None:
-        if timeout_s > 0 and not self.event.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout_s):
-                    await self.event.wait()
-        # Consumed before the next attempt: a signal arriving during that attempt
-        # sets it again, so it is never lost.
-        self.event.clear()
-
-
-class _ReleaseListener:
-    """One subscription to :data:`RELEASE_CHANNEL` per connection pool and event loop,
-    shared by every waiter of that client whatever the lock.
-
-    A release message wakes one waiter of that lock in this process (the longest
-    waiting one), not all of them: the others would only lose the race again.
-    The reader task ends itself after ``_LINGER_S`` without waiters, when the
-    connection fails (waiters fall back to polling; the next wait subscribes
-    again), or when the loop shuts down; it always closes its PubSub.
-    """
-
-    def __init__(self, client: Redis, pool: ConnectionPool) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.closed = False
-        self.subscribed = False
-        self._pool = pool
-        self._pubsub = client.pubsub()
-        self._waiters: dict[bytes, list[_Waiter]] = {}
-        self._count = 0
-        self._settled = asyncio.Event()  # subscribed, or dead
-        self._task = self.loop.create_task(self._run(), name="dedup-lock-release-listener")
-
-    async def register(self, key: bytes, ready_timeout_s: float) -> _Waiter:
-        """A new waiter for ``key``; waits (bounded) until the subscription is confirmed."""
-        waiter = _Waiter(key)
-        self._waiters.setdefault(key, []).append(waiter)
-        self._count += 1
-        if not self._settled.is_set() and ready_timeout_s > 0:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(ready_timeout_s):
-                    await self._settled.wait()
-        return waiter
-
-    def unregister(self, waiter: _Waiter, *, handoff: bool) -> None:
-        """Forget ``waiter``; with ``handoff``, pass an unconsumed signal to the next one."""
-        waiters = self._waiters.get(waiter.key)
-        if waiters is not None and waiter in waiters:
-            waiters.remove(waiter)
-            self._count -= 1
-            if not waiters:
-                del self._waiters[waiter.key]
-        if handoff and waiter.event.is_set():
-            self._wake(waiter.key)
-
-    def _wake(self, key: bytes) -> None:
-        for waiter in self._waiters.get(key, ()):
-            if not waiter.event.is_set():
-                waiter.event.set()
-                return
-
-    async def _run(self) -> None:
-        idle_since: float | None = None
-        try:
-            await self._pubsub.subscribe(RELEASE_CHANNEL)
-            while True:
-                message = await self._pubsub.get_message(timeout=_LISTEN_POLL_S)
-                if message is not None:
-                    if message["type"] == "subscribe":
-                        self.subscribed = True
-                        self._settled.set()
-                    elif message["type"] == "message":
-                        data = message["data"]
-                        self._wake(data.encode() if isinstance(data, str) else data)
-                if self._count:
-                    idle_since = None
-                elif idle_since is None:
-                    idle_since = self.loop.time()
-                elif self.loop.time() - idle_since >= _LINGER_S:
-                    return
-        except Exception as exc:  # the connection failed: waiters poll meanwhile
-            logger.debug("lock release listener stopped: %r", exc)
-        finally:
-            self.closed = True
-            self.subscribed = False
-            self._settled.set()
-            if _LISTENERS.get(self._pool) is self:
-                del _LISTENERS[self._pool]
-            for waiters in self._waiters.values():
-                for waiter in waiters:
-                    waiter.event.set()  # try once more now, then poll
-            try:
-                # redis-py leaves PubSub.aclose unannotated.
-                await self._pubsub.aclose()  # type: ignore[no-untyped-call]
-            except Exception as exc:  # closing a failed connection: nothing to keep
-                logger.debug("closing the lock release listener failed: %r", exc)
-
-
-_LISTENERS: weakref.WeakKeyDictionary[ConnectionPool, _ReleaseListener] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _listener_for(client: Redis | RedisCluster, *, create: bool) -> _ReleaseListener | None:
-    """The live release listener of ``client``'s pool on this loop (made if ``create``).
-
-    None for Redis Cluster clients, which wait by polling.
-    """
-    if not isinstance(client, Redis):
-        return None
-    pool = client.connection_pool
-    listener = _LISTENERS.get(pool)
-    loop = asyncio.get_running_loop()
-    if listener is not None and (listener.closed or listener.loop is not loop):
-        listener = None
-    if listener is None and create:
-        listener = _ReleaseListener(client, pool)
-        _LISTENERS[pool] = listener
-    return listener
+_OWNER = Script(OWNER)
 
 
 # ---------------------------------------------------------------------------- tokens
@@ -457,16 +245,6 @@ def _task_token() -> bytes:
     if token is None:
         token = _TASK_TOKENS[task] = _new_token()
     return token
-
-
-def _fence_key(key: bytes) -> bytes:
-    """The fence counter's key, in the lock's hash slot so that one script may touch
-    both on Redis Cluster: ``<key>:fence`` if the key has a hash tag, else ``{<key>}:fence``."""
-    slot = key_slot(key)
-    for candidate in (key + b":fence", b"{" + key + b"}:fence"):
-        if key_slot(candidate) == slot:
-            return candidate
-    return key + b":fence"  # a key with an empty tag ("{}"): one slot is not possible
 
 
 # ------------------------------------------------------------------------------ Lock
@@ -522,9 +300,9 @@ class Lock(RedisLock):
         # RedisLock.__init__ is not called: it would put the token in thread-local
         # storage and register its own scripts; every method is overridden here.
         if watchdog and not timeout:
-            raise ValueError("a watchdog needs a timeout: the lease it renews")
-        if fence_memory_s <= 0:
-            raise ValueError("fence_memory_s must be positive")
+            raise ConfigError("a watchdog needs a timeout: the lease it renews")
+        if not fence_memory_s > 0 or not math.isfinite(fence_memory_s):
+            raise ConfigError("fence_memory_s must be a positive finite number")
         self.redis = redis
         self.name = name
         self.timeout = timeout
@@ -542,7 +320,7 @@ class Lock(RedisLock):
         self.fence: int | None = None
         self.lost = asyncio.Event()
         self._key = self._encode(name)
-        self._fence_key = _fence_key(self._key)
+        self._fence_key = fence_key(self._key)
         # At least 1 ms: 0 means "no expiry" to the scripts.
         self._lease_ms = max(1, int(timeout * 1000)) if timeout else 0
         self._depth = 0  # holds through this object (reentrant: per acquire)
@@ -710,14 +488,14 @@ class Lock(RedisLock):
             blocking_timeout = self.blocking_timeout
         loop = asyncio.get_running_loop()
         deadline = None if blocking_timeout is None else loop.time() + blocking_timeout
-        listener: _ReleaseListener | None = None
-        waiter: _Waiter | None = None
+        listener: ReleaseListener | None = None
+        waiter: Waiter | None = None
         acquired = False
         try:
             if blocking and self.release_signal:
                 # A live subscription costs nothing to join: join before the first
                 # attempt so that no release after it goes unnoticed.
-                listener = _listener_for(self.redis, create=False)
+                listener = listener_for(self.redis, create=False)
                 if listener is not None and listener.subscribed:
                     waiter = await listener.register(self._key, 0)
                 else:
@@ -732,10 +510,10 @@ class Lock(RedisLock):
                 if self.release_signal and (listener is None or listener.closed):
                     if listener is not None and waiter is not None:
                         listener.unregister(waiter, handoff=False)
-                    listener = _listener_for(self.redis, create=True)
+                    listener = listener_for(self.redis, create=True)
                     waiter = None
                     if listener is not None:
-                        waiter = await listener.register(self._key, min(_READY_TIMEOUT_S, left))
+                        waiter = await listener.register(self._key, min(READY_TIMEOUT_S, left))
                         if listener.subscribed:
                             # A release between the failed attempt and the
                             # subscription sent a signal nobody saw: look again.

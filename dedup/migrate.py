@@ -20,7 +20,14 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import make_url
 
-__all__ = ["current", "to_sqlalchemy_url", "upgrade", "upgrade_async"]
+__all__ = [
+    "current",
+    "head_revision",
+    "migrations_dir",
+    "to_sqlalchemy_url",
+    "upgrade",
+    "upgrade_async",
+]
 
 # Plain schemes users write, mapped to the async driver dedup runs on.
 _DRIVERS = {
@@ -57,15 +64,24 @@ def to_sqlalchemy_url(database_url: str) -> str:
     return f"{_DRIVERS[dialect]}://{rest}"
 
 
-def _script_location() -> str:
+def migrations_dir() -> Path:
+    """The folder of dedup's migration scripts (package data), for Alembic.
+
+    Raises:
+        RuntimeError: the folder has no ``env.py`` (a broken install).
+    """
     # importlib.resources rather than __file__, so the folder is found the way
     # package data is meant to be; Alembic needs a real directory, which a
     # regular (unzipped) install gives.
-    location = importlib.resources.files("dedup") / "migrations"
-    path = Path(str(location))
+    path = Path(str(importlib.resources.files("dedup") / "migrations"))
     if not (path / "env.py").is_file():
         raise RuntimeError(f"dedup's migrations are missing: no env.py in {path}")
-    return str(path)
+    return path
+
+
+def head_revision() -> str | None:
+    """The newest revision of the migration scripts: what the code needs."""
+    return ScriptDirectory(str(migrations_dir())).get_current_head()
 
 
 def _config(database_url: str) -> Config:
@@ -73,7 +89,7 @@ def _config(database_url: str) -> Config:
     config = Config()
     # Config values go through configparser interpolation: a literal % (as in a
     # percent-encoded password) must be written %%.
-    config.set_main_option("script_location", _script_location().replace("%", "%%"))
+    config.set_main_option("script_location", str(migrations_dir()).replace("%", "%%"))
     config.set_main_option("path_separator", "os")
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return config

@@ -6,35 +6,99 @@ body size, whether a token is required) are the ones the running server applies.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 from dedup.keys import KIND_PATTERN, MAX_KIND_CHARS
+from dedup.types import Source
 
-__all__ = ["ERROR_CODES", "NO_NUL_PATTERN", "openapi_document"]
+__all__ = [
+    "BATCH_PATH",
+    "CODE_FOR_STATUS",
+    "ERRORS",
+    "ERROR_CODES",
+    "HEALTHZ_PATH",
+    "METRICS_PATH",
+    "NO_NUL_PATTERN",
+    "OPENAPI_PATH",
+    "PATHS",
+    "PROTECTED_PATHS",
+    "READYZ_PATH",
+    "SAVE_PATH",
+    "SOURCES",
+    "openapi_document",
+]
 
 # An ECMA-262 regular expression, as JSON Schema wants them.
 NO_NUL_PATTERN = r"^[^\u0000]*$"
 """Text without NUL (``\\u0000``), which PostgreSQL's text and jsonb cannot hold."""
 
+SAVE_PATH = "/v1/save"
+BATCH_PATH = "/v1/save/batch"
+HEALTHZ_PATH = "/healthz"
+READYZ_PATH = "/readyz"
+METRICS_PATH = "/metrics"
+OPENAPI_PATH = "/openapi.json"
+PATHS = (SAVE_PATH, BATCH_PATH, HEALTHZ_PATH, READYZ_PATH, METRICS_PATH, OPENAPI_PATH)
+"""Every path the service answers (the document describes exactly these)."""
+PROTECTED_PATHS = (SAVE_PATH, BATCH_PATH, METRICS_PATH)
+"""The paths that need the bearer token when one is configured."""
+
+SOURCES: tuple[str, ...] = get_args(Source)
+"""The values of ``source`` in a save's answer, in the order of :data:`dedup.types.Source`."""
+
+ERRORS: dict[str, tuple[int | None, str]] = {
+    "malformed_json": (400, "the body is not valid JSON (or not UTF-8)."),
+    "unauthorized": (
+        401,
+        "a token is configured and the bearer token is missing or wrong.",
+    ),
+    "not_found": (404, "no such path."),
+    "method_not_allowed": (405, "the path exists but not with this method (see Allow)."),
+    "body_too_large": (413, "the body is over max_body_bytes."),
+    "unsupported_media_type": (415, "the Content-Type is not application/json."),
+    "invalid_input": (
+        422,
+        "a field is missing, unknown, of the wrong type or over a limit; "
+        "`field` and (in a batch) `index` name it. Nothing was saved.",
+    ),
+    "overloaded": (
+        429,
+        "this process has too many saves in flight; retry after Retry-After.",
+    ),
+    "internal_error": (500, "a bug; nothing was acknowledged."),
+    "unavailable": (
+        503,
+        "Redis or the database cannot be reached (`component`); nothing was "
+        "acknowledged; retry after Retry-After.",
+    ),
+    "wait_timeout": (
+        503,
+        "another writer held the value for longer than wait_timeout_s; retry after Retry-After.",
+    ),
+    "not_ready": (
+        503,
+        "the database cannot be reached (/readyz only), or the process is draining.",
+    ),
+    "http_error": (
+        None,
+        "Another 4xx raised by the HTTP layer itself (see the status); rare.",
+    ),
+}
+"""The one table of every ``error.code`` the service sends: its status (None: any
+other 4xx) and meaning. The first code listed for a status is the one an error of
+the HTTP layer with that status gets."""
+
 ERROR_CODES: dict[str, str] = {
-    "malformed_json": "400: the body is not valid JSON (or not UTF-8).",
-    "unauthorized": "401: a token is configured and the bearer token is missing or wrong.",
-    "not_found": "404: no such path.",
-    "method_not_allowed": "405: the path exists but not with this method (see Allow).",
-    "body_too_large": "413: the body is over max_body_bytes.",
-    "unsupported_media_type": "415: the Content-Type is not application/json.",
-    "invalid_input": "422: a field is missing, unknown, of the wrong type or over a limit; "
-    "`field` and (in a batch) `index` name it. Nothing was saved.",
-    "overloaded": "429: this process has too many saves in flight; retry after Retry-After.",
-    "internal_error": "500: a bug; nothing was acknowledged.",
-    "http_error": "Another 4xx raised by the HTTP layer itself (see the status); rare.",
-    "unavailable": "503: Redis or the database cannot be reached (`component`); nothing was "
-    "acknowledged; retry after Retry-After.",
-    "wait_timeout": "503: another writer held the value for longer than wait_timeout_s; retry "
-    "after Retry-After.",
-    "not_ready": "503 from /readyz: the database cannot be reached, or the process is draining.",
+    code: meaning if status is None else f"{status}: {meaning}"
+    for code, (status, meaning) in ERRORS.items()
 }
 """Every ``error.code`` the service sends, with its status and meaning."""
+
+CODE_FOR_STATUS: dict[int, str] = {
+    status: code for code, (status, _) in reversed(ERRORS.items()) if status is not None
+}
+"""The code of an error status raised by the HTTP layer itself (404, 405, 413...): the
+first code listed in :data:`ERRORS` for that status."""
 
 
 def _error_response(description: str, *, retry_after: bool = False) -> dict[str, Any]:
@@ -77,7 +141,7 @@ def openapi_document(
             ),
         },
         "paths": {
-            "/v1/save": {
+            SAVE_PATH: {
                 "post": {
                     "operationId": "save",
                     "summary": "Save one value of a kind, once.",
@@ -110,7 +174,7 @@ def openapi_document(
                     },
                 }
             },
-            "/v1/save/batch": {
+            BATCH_PATH: {
                 "post": {
                     "operationId": "saveBatch",
                     "summary": "Save many values; one result per item, in order.",
@@ -141,7 +205,7 @@ def openapi_document(
                     },
                 }
             },
-            "/healthz": {
+            HEALTHZ_PATH: {
                 "get": {
                     "operationId": "healthz",
                     "summary": "The process is alive (checks nothing else).",
@@ -158,7 +222,7 @@ def openapi_document(
                     },
                 }
             },
-            "/readyz": {
+            READYZ_PATH: {
                 "get": {
                     "operationId": "readyz",
                     "summary": "The database answers: this process can serve.",
@@ -185,7 +249,7 @@ def openapi_document(
                     },
                 }
             },
-            "/metrics": {
+            METRICS_PATH: {
                 "get": {
                     "operationId": "metrics",
                     "summary": "Prometheus text exposition (format 0.0.4) of this process.",
@@ -201,7 +265,7 @@ def openapi_document(
                     },
                 }
             },
-            "/openapi.json": {
+            OPENAPI_PATH: {
                 "get": {
                     "operationId": "openapi",
                     "summary": "This document.",
@@ -280,7 +344,7 @@ def openapi_document(
                         },
                         "source": {
                             "type": "string",
-                            "enum": ["local", "inflight", "redis", "db", "write"],
+                            "enum": list(SOURCES),
                         },
                     },
                 },

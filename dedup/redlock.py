@@ -36,7 +36,7 @@ from typing import Any, Literal, Self
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from dedup.errors import LockError, LockNotOwned, QuorumUnavailable
+from dedup.errors import ConfigError, LockError, LockNotOwned, QuorumUnavailable
 from dedup.scripts import Script
 
 __all__ = ["ACQUIRE", "EXTEND", "OWNER", "RELEASE", "Redlock"]
@@ -148,9 +148,15 @@ class Redlock:
         raise_on_release_error: bool = True,
     ) -> None:
         if not clients:
-            raise ValueError("Redlock needs at least one Redis client")
-        if timeout <= 0:
-            raise ValueError("Redlock needs a positive timeout (the TTL of each grant)")
+            raise ConfigError("Redlock needs at least one Redis client")
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise ConfigError("Redlock needs a positive timeout (the TTL of each grant)")
+        if not (drift_factor >= 0 and math.isfinite(drift_factor)):
+            raise ConfigError("drift_factor must be a finite number >= 0")
+        if node_timeout_s is not None and not (
+            node_timeout_s > 0 and math.isfinite(node_timeout_s)
+        ):
+            raise ConfigError("node_timeout_s must be a positive finite number")
         self.clients = list(clients)
         self.name = name
         self.timeout = float(timeout)

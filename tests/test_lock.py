@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -29,8 +30,9 @@ from redis.crc import key_slot
 from redis.exceptions import ConnectionError, LockError, LockNotOwnedError
 
 import dedup.errors
-from dedup.errors import InvalidInput, StaleFence
-from dedup.lock import RELEASE_CHANNEL, Lock, _fence_key, check_fence, fenced_set
+from dedup.errors import ConfigError, InvalidInput, StaleFence
+from dedup.fence import fence_key
+from dedup.lock import RELEASE_CHANNEL, Lock, check_fence, fenced_set
 from tests.lock_child import write_fenced
 from tests.servers import RedisServer
 from tests.test_multiprocess import read_line
@@ -368,11 +370,11 @@ async def test_fences_grow_across_an_empty_restart(fresh_redis: RedisServer) -> 
 @given(st.text(alphabet="abc:{}", min_size=1, max_size=12))
 def test_fence_key_shares_the_lock_slot_when_it_can(name: str) -> None:
     key = name.encode()
-    fence_key = _fence_key(key)
+    counter = fence_key(key)
     start = name.find("{")
     tagged = start >= 0 and name.find("}", start + 1) > start + 1  # Redis's hash tag rule
     if ("{" not in name and "}" not in name) or tagged:
-        assert key_slot(fence_key) == key_slot(key)
+        assert key_slot(counter) == key_slot(key)
 
 
 async def test_fenced_set_in_redis(r: Redis) -> None:
@@ -476,6 +478,14 @@ async def test_watchdog_sees_a_stolen_lock(r: Redis) -> None:
 async def test_watchdog_needs_a_lease(r: Redis) -> None:
     with pytest.raises(ValueError, match="timeout"):
         Lock(r, "wd", watchdog=True)
+    with pytest.raises(ConfigError, match="timeout"):  # the same error, in dedup's tree
+        Lock(r, "wd", watchdog=True)
+
+
+@pytest.mark.parametrize("memory", [0.0, -1.0, math.nan, math.inf])
+async def test_bad_fence_memory_is_a_config_error(r: Redis, memory: float) -> None:
+    with pytest.raises(ConfigError, match="fence_memory_s"):
+        Lock(r, "x", fence_memory_s=memory)
 
 
 # ------------------------------------------------------------------------ reentrancy

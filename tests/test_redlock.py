@@ -4,8 +4,10 @@ restarted empty."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -13,7 +15,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError, LockError, LockNotOwnedError
 
-from dedup.errors import QuorumUnavailable
+from dedup.errors import ConfigError, QuorumUnavailable
 from dedup.lock import Redlock
 from tests.servers import RedisServer
 
@@ -203,3 +205,28 @@ async def test_a_node_restarted_empty_does_not_vote(
     assert await unguarded.acquire(blocking=False)
     assert await held_by(clients) == [holder.token] * 2 + [unguarded.token] * 3
     await unguarded.release()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "what"),
+    [
+        ({"timeout": 0.0}, "timeout"),
+        ({"timeout": -1.0}, "timeout"),
+        ({"timeout": math.nan}, "timeout"),
+        ({"timeout": math.inf}, "timeout"),
+        ({"drift_factor": -0.1}, "drift_factor"),
+        ({"drift_factor": math.nan}, "drift_factor"),
+        ({"node_timeout_s": 0.0}, "node_timeout_s"),
+        ({"node_timeout_s": math.inf}, "node_timeout_s"),
+    ],
+)
+async def test_bad_options_are_config_errors(kwargs: dict[str, Any], what: str) -> None:
+    client = Redis()  # never connects: the options are checked first
+    try:
+        with pytest.raises(ConfigError, match=what) as info:
+            Redlock([client], "x", **kwargs)
+        assert isinstance(info.value, ValueError)  # what older callers catch
+        with pytest.raises(ConfigError, match="at least one"):
+            Redlock([], "x")
+    finally:
+        await client.aclose()
