@@ -1,8 +1,9 @@
 """dedup: save each value of a kind exactly once, with Redis in front of the database.
 
-The public names: :class:`Gateway`, :class:`SaveResult`, :class:`Stats`, the
-error tree under :class:`DedupError`, and the sink types :class:`Row` and
-:data:`BatchWriter`. The lock library lives in :mod:`dedup.lock`.
+The public names: :class:`Gateway`, its blocking form :class:`SyncGateway`,
+:class:`SaveResult`, :class:`Stats`, the error tree under :class:`DedupError`,
+and the sink types :class:`Row` and :data:`BatchWriter`. The lock library lives
+in :mod:`dedup.lock`.
 """
 
 from dedup.errors import (
@@ -15,6 +16,7 @@ from dedup.errors import (
 )
 from dedup.gateway import Gateway
 from dedup.metrics import Stats
+from dedup.sync import SyncGateway
 from dedup.types import BatchWriter, Item, Row, SaveResult, Source
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "SaveResult",
     "Source",
     "Stats",
+    "SyncGateway",
     "Unavailable",
     "WaitTimeout",
 ]

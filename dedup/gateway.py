@@ -41,6 +41,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from dedup import _embed
 from dedup._parts import EngineParts
 from dedup.breaker import CircuitBreaker
 from dedup.claims import (
@@ -1076,6 +1077,10 @@ class Gateway:
             if f.done or f in self._claim_q or f in self._write_q or f in self._degraded_q:
                 continue
             self._fail(f, error)
+
+    once = _embed.once
+    get = _embed.get
+    filter = _embed.filter
 
 
 def _row_order(f: _Flight) -> tuple[str, bytes]:

@@ -42,6 +42,7 @@ RETURNING kind, digest
 PG_COUNT = "SELECT count(*) FROM dedup_items WHERE kind = ANY($1::text[])"
 PG_DELETE = "DELETE FROM dedup_items WHERE kind = ANY($1::text[])"
 PG_TABLE_EXISTS = "SELECT to_regclass('dedup_items') IS NOT NULL"
+PG_FETCH = "SELECT payload::text FROM dedup_items WHERE kind = $1 AND digest = $2"
 
 # An access description for SQLAlchemy Core, not a schema: the table itself is
 # created by the migrations. payload is declared Text because rows carry JSON
@@ -86,6 +87,9 @@ class DefaultSink(Protocol):
 
     async def delete(self, kinds: Sequence[str]) -> int:
         """Delete the rows of ``kinds``; returns how many (used by the demo)."""
+
+    async def fetch(self, kind: str, digest: bytes) -> tuple[bool, str | None]:
+        """Whether the row ``(kind, digest)`` exists, and its payload as JSON text."""
 
 
 async def pg_insert(
@@ -174,6 +178,11 @@ class PostgresSink:
         status = await self._require_pool().execute(PG_DELETE, list(kinds))
         return int(status.split()[-1])
 
+    async def fetch(self, kind: str, digest: bytes) -> tuple[bool, str | None]:
+        """Whether the row ``(kind, digest)`` exists, and its payload as JSON text."""
+        record = await self._require_pool().fetchrow(PG_FETCH, kind, digest)
+        return (False, None) if record is None else (True, record[0])
+
 
 class SqliteSink:
     """Writes ``dedup_items`` in a SQLite file (the embedded default).
@@ -248,6 +257,13 @@ class SqliteSink:
         async with self._require_engine().begin() as conn:
             result = await conn.execute(sa.delete(_items).where(_items.c.kind.in_(kinds)))
             return int(result.rowcount)
+
+    async def fetch(self, kind: str, digest: bytes) -> tuple[bool, str | None]:
+        """Whether the row ``(kind, digest)`` exists, and its payload as JSON text."""
+        stmt = sa.select(_items.c.payload).where(_items.c.kind == kind, _items.c.digest == digest)
+        async with self._require_engine().connect() as conn:
+            row = (await conn.execute(stmt)).first()
+        return (False, None) if row is None else (True, row[0])
 
 
 def open_sink(database_url: str, *, pool_size: int, statement_timeout_ms: int) -> DefaultSink:

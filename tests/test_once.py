@@ -1,0 +1,307 @@
+"""Gateway.once and Gateway.get against real redis-server and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis as sync_redis
+
+from dedup import DedupError, Gateway, InvalidInput, Row, Unavailable, WaitTimeout
+from tests.embed_child import EmbedChild
+from tests.servers import RedisServer
+
+DEADLINE_S = 120.0
+
+
+@pytest.fixture
+async def gw(redis_url: str, pg_url: str) -> AsyncIterator[Gateway]:
+    async with Gateway(redis_url, pg_url) as gateway:
+        yield gateway
+
+
+@pytest.fixture
+def children(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], EmbedChild]]:
+    started: list[EmbedChild] = []
+
+    def start(job: dict[str, Any]) -> EmbedChild:
+        child = EmbedChild(job, tmp_path / f"child-{len(started)}")
+        started.append(child)
+        return child
+
+    try:
+        yield start
+    finally:
+        for child in started:
+            child.kill()
+
+
+async def test_runs_once_and_every_caller_gets_the_stored_value(
+    gw: Gateway, redis_url: str, pg_url: str
+) -> None:
+    runs: list[str] = []
+
+    @gw.once("welcome-mail")
+    async def send(address: str, template: str = "hello") -> dict[str, Any]:
+        runs.append(address)
+        await asyncio.sleep(0.05)  # callers pile up while it runs
+        return {"to": address, "template": template, "ids": (1, 2)}
+
+    results = await asyncio.gather(*(send("a@example.com") for _ in range(20)))
+    assert runs == ["a@example.com"]
+    expected = {"to": "a@example.com", "template": "hello", "ids": [1, 2]}  # as JSON gives it
+    assert results == [expected] * 20
+    assert await send("a@example.com", template="other") == expected  # later: no run
+    assert runs == ["a@example.com"]
+    assert await gw.get("welcome-mail", "a@example.com") == expected
+    assert await gw.get("welcome-mail", "b@example.com") is None
+    assert send.__name__ == "send"  # functools.wraps
+    # A second Gateway (another process, as far as Redis can tell) gets it too.
+    async with Gateway(redis_url, pg_url) as other:
+        twin = other.once("welcome-mail")(send.__wrapped__)  # type: ignore[attr-defined]
+        assert await twin("a@example.com") == expected
+    assert runs == ["a@example.com"]
+
+
+async def test_a_raising_function_saves_nothing_and_runs_again(gw: Gateway) -> None:
+    attempts = 0
+
+    @gw.once("charge", key=lambda order_id, amount: order_id)
+    async def charge(order_id: str, amount: int) -> dict[str, int]:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            raise RuntimeError("payment provider down")
+        return {"charged": amount}
+
+    with pytest.raises(RuntimeError, match="provider down"):
+        await charge("order-1", 10)
+    assert await gw.get("charge", "order-1") is None
+    assert await gw.count_rows(["charge"]) == 0
+    assert await charge("order-1", 10) == {"charged": 10}
+    assert await charge("order-1", 99) == {"charged": 10}
+    assert attempts == 2
+
+
+async def test_waiters_of_a_failed_run_run_it_themselves(gw: Gateway) -> None:
+    attempts = 0
+
+    @gw.once("job")
+    async def flaky(value: str) -> int:
+        nonlocal attempts
+        attempts += 1
+        await asyncio.sleep(0.05)
+        if attempts == 1:
+            raise RuntimeError("first run fails")
+        return attempts
+
+    results = await asyncio.gather(*(flaky("v") for _ in range(5)), return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    assert len(failures) == 1 and isinstance(failures[0], RuntimeError)
+    assert [r for r in results if not isinstance(r, BaseException)] == [2] * 4
+    assert attempts == 2
+
+
+async def test_a_value_saved_by_plain_save_does_not_run(gw: Gateway) -> None:
+    assert (await gw.save("mail", "plain@example.com")).created
+    assert (await gw.save("mail", "with-payload@example.com", {"old": True})).created
+
+    @gw.once("mail")
+    async def send(address: str) -> str:
+        raise AssertionError("must not run")
+
+    assert await send("plain@example.com") is None
+    assert await send("with-payload@example.com") == {"old": True}
+
+
+async def test_a_row_without_a_marker_is_found_in_the_database(redis_url: str, pg_url: str) -> None:
+    async with Gateway(redis_url, pg_url) as first:
+        assert (await first.save("mail", "x@example.com", "stored")).created
+    client = sync_redis.Redis.from_url(redis_url)  # Redis loses the marker
+    client.flushall()
+    client.close()
+    async with Gateway(redis_url, pg_url) as gw:
+
+        @gw.once("mail")
+        async def send(address: str) -> str:
+            raise AssertionError("must not run: the row exists")
+
+        assert await send("x@example.com") == "stored"
+
+
+async def test_bad_input_and_results_are_typed(gw: Gateway) -> None:
+    @gw.once("job")
+    async def not_json(value: str) -> object:
+        return object()
+
+    with pytest.raises(InvalidInput, match="JSON"):
+        await not_json("v")
+    assert await gw.count_rows(["job"]) == 0  # nothing saved: the next call runs again
+
+    @gw.once("job")
+    async def ok(value: str) -> int:
+        return 1
+
+    assert await ok("v") == 1
+    with pytest.raises(InvalidInput):
+        await ok(7)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        await ok()  # type: ignore[call-arg]
+    with pytest.raises(InvalidInput):
+        gw.once("")
+    with pytest.raises(InvalidInput):
+        gw.once("job")(lambda v: v)
+    with pytest.raises(InvalidInput):
+        await gw.get("job", "x" * 10_000)
+
+
+async def test_a_closed_gateway_and_a_custom_sink_refuse(redis_url: str, pg_url: str) -> None:
+    gw = Gateway(redis_url, pg_url)
+
+    @gw.once("job")
+    async def work(value: str) -> int:
+        return 1
+
+    with pytest.raises(DedupError, match="not open"):
+        await work("v")
+
+    async def sink(rows: Sequence[Row]) -> list[tuple[str, bytes]]:
+        return [(r.kind, r.digest) for r in rows]
+
+    async with Gateway(redis_url, sink=sink, namespace=f"t-{uuid.uuid4().hex[:8]}") as custom:
+        with pytest.raises(DedupError, match="default sink"):
+            await custom.once("job")(work.__wrapped__)("v")  # type: ignore[attr-defined]
+        with pytest.raises(DedupError, match="default sink"):
+            await custom.get("job", "v")
+
+
+async def test_waiters_are_bounded_by_wait_timeout(redis_url: str, pg_url: str) -> None:
+    release = asyncio.Event()
+    started = asyncio.Event()
+    async with (
+        Gateway(redis_url, pg_url, lease_ms=500) as runner_gw,
+        Gateway(redis_url, pg_url, wait_timeout_s=0.3) as waiter_gw,
+    ):
+
+        async def slow(value: str) -> str:
+            started.set()
+            await release.wait()
+            return "done"
+
+        runner = asyncio.ensure_future(runner_gw.once("job")(slow)("v"))
+        await asyncio.wait_for(started.wait(), DEADLINE_S)
+        with pytest.raises(WaitTimeout):
+            await waiter_gw.once("job")(slow)("v")
+        release.set()
+        assert await asyncio.wait_for(runner, DEADLINE_S) == "done"
+        # The runner's lease was renewed while it ran (it outlived lease_ms): no takeover.
+        assert await waiter_gw.once("job")(slow)("v") == "done"
+
+
+async def test_degraded_gateway_refuses_rather_than_run_twice(
+    fresh_redis: RedisServer, pg_url: str
+) -> None:
+    async with Gateway(
+        fresh_redis.url, pg_url, redis_timeout_s=0.3, breaker_cooldown_s=3600.0
+    ) as gw:
+
+        @gw.once("job")
+        async def work(value: str) -> int:
+            return 1
+
+        fresh_redis.pause()
+        try:
+            with contextlib.suppress(DedupError):  # times out: the circuit opens
+                await gw.save("trip", "the-breaker")
+            assert gw.degraded
+            with pytest.raises(Unavailable) as info:
+                await work("v")
+            assert info.value.component == "redis"
+        finally:
+            fresh_redis.resume()
+
+
+def _run_children(
+    children: Callable[[dict[str, Any]], EmbedChild], jobs: list[dict[str, Any]]
+) -> None:
+    procs = [children(job) for job in jobs]
+    for child in procs:
+        child.expect("READY")
+    for child in procs:
+        child.send("go\n")
+    for child in procs:
+        child.expect("DONE", timeout=DEADLINE_S)
+
+
+def test_once_across_two_processes(
+    redis_url: str, pg_url: str, tmp_path: Path, children: Callable[[dict[str, Any]], EmbedChild]
+) -> None:
+    values = [f"order-{i}" for i in range(200)]
+    effects = tmp_path / "effects.txt"
+    jobs: list[dict[str, Any]] = [
+        {
+            "mode": "once",
+            "name": f"p{n}",
+            "redis_url": redis_url,
+            "database_url": pg_url,
+            "options": {"local_cache_size": 0},
+            "values": values * 3,
+            "concurrency": 16,
+            "effects": str(effects),
+            "out": str(tmp_path / f"out-{n}.jsonl"),
+        }
+        for n in range(2)
+    ]
+    _run_children(children, jobs)
+    ran = Counter(line.split()[0] for line in effects.read_text().splitlines())
+    assert ran == Counter(values)  # each value's side effect ran exactly once
+    answers: dict[str, list[Any]] = {}
+    for job in jobs:
+        for line in Path(job["out"]).read_text().splitlines():
+            answer = json.loads(line)
+            assert "error" not in answer, answer
+            answers.setdefault(answer["value"], []).append(answer["result"])
+    assert sorted(answers) == sorted(values)
+    for value, results in answers.items():
+        assert len(results) == 6
+        assert all(r == results[0] for r in results)  # every caller: the same value
+        assert results[0]["value"] == value
+
+
+async def test_a_killed_runner_is_taken_over_after_its_lease(
+    redis_url: str, pg_url: str, tmp_path: Path, children: Callable[[dict[str, Any]], EmbedChild]
+) -> None:
+    effects = tmp_path / "effects.txt"
+    child = children(
+        {
+            "mode": "once_hold",
+            "name": "killed",
+            "redis_url": redis_url,
+            "database_url": pg_url,
+            "options": {"lease_ms": 400},
+            "value": "order-1",
+            "effects": str(effects),
+        }
+    )
+    await asyncio.to_thread(child.expect, "RUNNING")
+    child.kill()  # SIGKILL mid-function: the side effect ran, the commit never did
+    async with Gateway(redis_url, pg_url, lease_ms=400) as gw:
+
+        @gw.once("job")
+        async def work(value: str) -> dict[str, str]:
+            with effects.open("a") as f:
+                f.write(f"{value} survivor\n")
+            return {"value": value, "runner": "survivor"}
+
+        result = await asyncio.wait_for(work("order-1"), DEADLINE_S)
+        assert result == {"value": "order-1", "runner": "survivor"}
+        assert await gw.get("job", "order-1") == result
+    # "once" cannot promise more: the killed runner's side effect happened too.
+    assert effects.read_text().splitlines() == ["order-1 killed", "order-1 survivor"]
