@@ -36,7 +36,7 @@ class CircuitBreaker:
     """
 
     __slots__ = ("_clock", "_cooldown_s", "_due", "_failures", "_jitter", "_rand", "_state",
-                 "_streak", "opens", "probes")  # fmt: skip
+                 "_streak", "probes")  # fmt: skip
 
     def __init__(
         self,
@@ -61,8 +61,6 @@ class CircuitBreaker:
         self._state: BreakerState = "closed"
         self._streak = 0
         self._due = 0.0
-        self.opens = 0
-        """How many times the circuit went from closed to open."""
         self.probes = 0
         """How many half-open probes were started."""
 
@@ -93,9 +91,14 @@ class CircuitBreaker:
         self._streak += 1
         if timeout or self._streak >= self._failures:
             self._open()
-            self.opens += 1
             return True
         return False
+
+    def trip(self) -> None:
+        """Open the circuit now, without failures counted (a dependency known to be
+        down, as at a start without it)."""
+        if self._state == "closed":
+            self._open()
 
     def probe_delay_s(self) -> float:
         """Seconds until a probe may start (0 when one may start now, or when closed)."""

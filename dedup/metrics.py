@@ -14,9 +14,9 @@ class Stats:
     Answers: ``local``, ``inflight``, ``redis``, ``db``, ``write`` count saves
     by where their answer came from (``write`` is the number of ``created=True``).
     Work: ``redis_round_trips`` (script calls and other commands sent),
-    ``db_statements`` and ``db_rows_sent`` (rows offered to the sink,
+    ``db_statements`` (one per write batch) and ``db_rows_sent`` (rows offered to the sink,
     including those that turned out to exist already).
-    Events: ``claim_batches``, ``write_batches``, ``busy`` (answers "another
+    Events: ``claim_batches``, ``busy`` (answers "another
     writer holds it", each re-checked later), ``reclaims`` (winners whose lease
     was nearly spent and was renewed before writing), ``lost_leases`` (rows
     committed after the lease had passed to someone else), ``wait_timeouts``,
@@ -35,7 +35,6 @@ class Stats:
     db_statements: int = 0
     db_rows_sent: int = 0
     claim_batches: int = 0
-    write_batches: int = 0
     busy: int = 0
     reclaims: int = 0
     lost_leases: int = 0

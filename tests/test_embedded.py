@@ -26,7 +26,7 @@ async def test_embedded_default_starts_and_stops_its_servers(tmp_path: Path) -> 
     data_dir = tmp_path / "data"
     gw = Gateway(data_dir=data_dir)
     async with gw:
-        embedded = gw._embedded
+        embedded = gw._backends.embedded
         assert embedded is not None and embedded._proc is not None
         pid = embedded._proc.pid
         assert embedded.socket_path.exists()
@@ -69,9 +69,9 @@ async def test_data_dir_cannot_be_shared_by_accident(tmp_path: Path) -> None:
 
 async def test_embedded_redis_listens_on_no_tcp_port(tmp_path: Path) -> None:
     async with Gateway(data_dir=tmp_path) as gw:
-        embedded = gw._embedded
+        embedded = gw._backends.embedded
         assert embedded is not None
-        client = gw._redis
+        client = gw._backends.redis
         assert client is not None
         config = await client.config_get("port")
         assert config == {"port": "0"}
@@ -84,7 +84,7 @@ async def test_embedded_redis_listens_on_no_tcp_port(tmp_path: Path) -> None:
 async def test_long_data_dir_uses_a_short_socket_path(tmp_path: Path) -> None:
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     async with Gateway(data_dir=deep) as gw:
-        embedded = gw._embedded
+        embedded = gw._backends.embedded
         assert embedded is not None
         assert len(str(embedded.socket_path)) <= 107
         assert (await gw.save("email", "long")).created

@@ -56,6 +56,7 @@ async def gw(redis_url: str, pg_url: str) -> AsyncIterator[Gateway]:
         max_value_bytes=MAX_VALUE,
         max_payload_bytes=MAX_PAYLOAD,
         max_pending=MAX_PENDING,
+        max_batch=MAX_PENDING,
     ) as gateway:
         yield gateway
 

@@ -321,7 +321,7 @@ async def test_nearly_spent_lease_is_renewed_before_writing(redis_url: str) -> N
 
 async def test_overloaded(redis_url: str) -> None:
     sink = BlockingSink()
-    async with Gateway(redis_url, sink=sink, max_pending=3) as gw:
+    async with Gateway(redis_url, sink=sink, max_pending=3, max_batch=3) as gw:
         tasks = [asyncio.create_task(gw.save("email", f"o{i}")) for i in range(3)]
         await asyncio.wait_for(sink.entered.wait(), 10)
         with pytest.raises(Overloaded):
@@ -389,10 +389,59 @@ async def test_redis_unreachable_at_open(tmp_path: Path) -> None:
 
     url = f"redis://:s3cret@127.0.0.1:{free_port()}/0"
     with pytest.raises(Unavailable) as caught:
-        async with Gateway(url, f"sqlite:///{tmp_path}/x.db", migrate=True, redis_timeout_s=1):
+        async with Gateway(
+            url, f"sqlite:///{tmp_path}/x.db", migrate=True, redis_timeout_s=1, require_redis=True
+        ):
             pass
     assert caught.value.component == "redis"
     assert "s3cret" not in str(caught.value)
+
+
+async def _until(condition: Callable[[], bool], deadline_s: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while not condition():
+        assert loop.time() < end, "condition not met before the deadline"
+        await asyncio.sleep(0.05)
+
+
+async def test_starts_degraded_while_redis_is_down_then_uses_it(pg_url: str) -> None:
+    from tests.servers import RedisServer, free_port
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    async with Gateway(url, pg_url, redis_timeout_s=0.5, breaker_cooldown_s=0.2) as gw:
+        assert gw.degraded and "unreachable at start" in gw.degraded_reason
+        first = await gw.save("start", "while-down")
+        assert first.created and first.source == "write"  # the unique key decided
+        assert not (await gw.save("start", "while-down")).created
+        with RedisServer(port) as server:
+            await _until(lambda: not gw.degraded)
+            assert gw.degraded_reason == ""
+            r = await gw.save("start", "after-up")
+            assert r.created and r.source == "write"
+            # The marker went to this Redis: a second gateway answers from it.
+            async with Gateway(server.url, pg_url, local_cache_size=0) as other:
+                assert (await other.save("start", "after-up")).source == "redis"
+        assert await gw.count_rows(["start"]) == 2
+
+
+async def test_an_unsafe_redis_that_comes_up_later_is_never_used(pg_url: str) -> None:
+    from tests.servers import RedisServer, free_port
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    async with Gateway(url, pg_url, redis_timeout_s=0.5, breaker_cooldown_s=0.1) as gw:
+        assert gw.degraded
+        with RedisServer(port, extra_args=["--maxmemory-policy", "allkeys-lru"]) as server:
+            await asyncio.sleep(1.0)  # several probes: each finds the policy unsafe
+            assert gw.degraded
+            assert (await gw.save("unsafe", "v")).created
+            client = aioredis.from_url(server.url)
+            try:
+                assert await client.dbsize() == 0  # no lease, no marker ever went there
+            finally:
+                await client.aclose()
 
 
 async def test_database_missing_table_or_unreachable(redis_url: str, pg_empty_url: str) -> None:

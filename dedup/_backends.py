@@ -1,0 +1,182 @@
+"""What a Gateway opens before its first save, and closes after its last.
+
+In order, each closed in reverse through one :class:`~contextlib.AsyncExitStack`:
+the data-dir lock (for the embedded default), the embedded redis-server, the
+Redis client with its eviction check, the schema migration, and the sink.
+
+A Redis that cannot be reached at open does not stop the Gateway (unless
+``require_redis``): it starts in degraded mode, and the eviction check runs before
+the circuit first closes, so an unsafe Redis is never used, even if it comes up later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoPermissionError, RedisError
+
+from dedup.claims import Claims, connect_redis, unsafe_policies
+from dedup.embedded import DataDirLock, EmbeddedRedis
+from dedup.errors import ConfigError, DedupError, Unavailable
+from dedup.keys import KeySpace
+from dedup.metrics import Stats
+from dedup.options import GatewayOptions
+from dedup.store import DefaultSink, open_sink
+from dedup.types import BatchWriter
+from dedup.urls import embedded_sqlite_url, redact
+
+__all__ = ["Backends"]
+
+log = logging.getLogger("dedup")
+
+
+class Backends:
+    """The servers and connections of one Gateway; :meth:`open` once, :meth:`aclose` once.
+
+    After :meth:`open`: ``redis`` and ``claims`` are set; ``sink`` is the write step
+    (``default_sink`` is the same object, or None with a custom sink);
+    ``redis_down_at_open`` says why Redis could not be used at open (empty if it could).
+    """
+
+    def __init__(self, options: GatewayOptions, keys: KeySpace, stats: Stats) -> None:
+        self._options = options
+        self._keys = keys
+        self._stats = stats
+        self._stack = contextlib.AsyncExitStack()
+        self.redis_url = ""
+        self.embedded: EmbeddedRedis | None = None
+        self.redis: Redis | RedisCluster | None = None
+        self.claims: Claims | None = None
+        self.sink: BatchWriter | None = None
+        self.default_sink: DefaultSink | None = None
+        self.redis_down_at_open = ""
+        self.eviction_checked = False
+
+    async def open(self) -> None:
+        """Open every part in order; on failure, close what was opened and raise."""
+        try:
+            await self._open()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _open(self) -> None:
+        options, stack = self._options, self._stack
+        if options.embedded_redis or options.embedded_database:
+            lock = DataDirLock(Path(options.data_dir))
+            lock.acquire()
+            stack.callback(lock.release)
+        redis_url = options.redis_url
+        if redis_url is None:
+            self.embedded = embedded = EmbeddedRedis(Path(options.data_dir))
+            stack.push_async_callback(embedded.aclose)
+            redis_url = await embedded.start()
+        self.redis_url = redis_url
+        connections = options.redis_connections
+        self.redis = connect_redis(
+            redis_url, max_connections=connections, timeout_s=options.redis_timeout_s
+        )
+        stack.push_async_callback(self.redis.aclose)
+        try:
+            await self.check_redis()
+        except Unavailable as exc:
+            if options.require_redis or options.embedded_redis:
+                raise
+            self.redis_down_at_open = str(exc)
+            log.warning("%s: starting degraded (require_redis=False)", exc)
+        self.claims = Claims(
+            self.redis,
+            lease_ms=options.lease_ms,
+            retention_ms=options.retention_ms,
+            stats=self._stats,
+            max_parallel=connections - 2,
+        )
+        if options.sink is not None:
+            self.sink = options.sink
+            return
+        database_url = options.database_url or embedded_sqlite_url(options.data_dir)
+        if options.migrate_at_open:
+            await _migrate(database_url)
+        sink = open_sink(
+            database_url,
+            pool_size=options.max_write_batches,
+            statement_timeout_ms=options.write_timeout_ms_effective,
+        )
+        await _open_sink(sink, database_url)
+        stack.push_async_callback(sink.aclose)
+        self.default_sink = sink
+        self.sink = sink
+
+    async def check_redis(self) -> None:
+        """Reach Redis and refuse one that may evict keys (leases and markers would vanish).
+
+        Raises :class:`Unavailable` when Redis cannot be reached and
+        :class:`ConfigError` when it is unsafe; sets ``eviction_checked`` when it passed.
+        """
+        client, url, allow = self.redis, self.redis_url, self._options.allow_eviction
+        assert client is not None
+        try:
+            info: Any = await client.info("memory")
+        except NoPermissionError as exc:
+            # An ACL user without +info: the policy cannot be read. Say so, not "cannot connect".
+            if allow:
+                log.warning("Redis user may not run INFO: maxmemory-policy not checked (allowed)")
+                self.eviction_checked = True
+                return
+            raise ConfigError(
+                f"the Redis user of {redact(url)} may not run INFO ({exc}), which dedup needs to "
+                "check maxmemory-policy: grant it (ACL SETUSER <user> +info) or pass "
+                "allow_eviction=True"
+            ) from exc
+        except (RedisError, OSError) as exc:
+            raise Unavailable(
+                f"cannot connect to Redis at {redact(url)}: {exc}", component="redis"
+            ) from exc
+        self._stats.redis_round_trips += 1
+        bad = unsafe_policies(info)
+        if bad and not allow:
+            raise ConfigError(
+                f"Redis at {redact(url)} has maxmemory-policy {', '.join(sorted(bad))}; dedup "
+                "needs noeviction (leases and saved markers carry TTLs, so volatile-* policies "
+                "evict them too). Set `maxmemory-policy noeviction` or pass allow_eviction=True."
+            )
+        self.eviction_checked = True
+
+    async def aclose(self) -> None:
+        """Close every part opened, in reverse order, each even if an earlier one failed."""
+        self.sink = self.default_sink = None
+        self.redis = self.embedded = None
+        self.claims = None
+        await self._stack.aclose()
+
+
+async def _migrate(database_url: str) -> None:
+    from dedup.migrate import upgrade_async  # alembic is slow to import
+
+    try:
+        await upgrade_async(database_url)
+    except Exception as exc:
+        raise Unavailable(
+            f"could not migrate {redact(database_url)}: {exc}", component="database"
+        ) from exc
+
+
+async def _open_sink(sink: DefaultSink, database_url: str) -> None:
+    try:
+        await sink.open()
+    except (OSError, TimeoutError) as exc:
+        raise Unavailable(
+            f"cannot connect to the database at {redact(database_url)}: {exc}",
+            component="database",
+        ) from exc
+    except Exception as exc:
+        if isinstance(exc, DedupError):
+            raise
+        raise Unavailable(
+            f"cannot use the database at {redact(database_url)}: {exc}", component="database"
+        ) from exc

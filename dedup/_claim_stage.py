@@ -1,0 +1,83 @@
+"""Step 3 of a save: one claim script call decides a whole batch.
+
+Per value the script answers saved (``S``: the caller is answered ``redis``),
+won (``W``: this process holds the lease and the value goes to the write queue)
+or busy (``B``: another writer holds it; the value waits and is claimed again).
+A claim that fails because Redis is unreachable hands its batch to degraded mode,
+where the database decides: the claim may or may not have run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from redis.exceptions import RedisError
+
+from dedup._batcher import Batcher
+from dedup._degraded import DegradedMode
+from dedup._flights import Flight, FlightTable
+from dedup._wait_queue import WaitQueue
+from dedup.claims import Claims
+from dedup.errors import Unavailable
+from dedup.metrics import Stats
+
+__all__ = ["ClaimStage"]
+
+
+class ClaimStage:
+    """Sends claim batches and routes each value by the script's answer."""
+
+    __slots__ = ("_claims", "_degraded", "_flights", "_loop", "_stats", "_waits", "_writes")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        claims: Claims,
+        flights: FlightTable,
+        stats: Stats,
+        degraded: DegradedMode,
+        waits: WaitQueue,
+        writes: Batcher,
+    ) -> None:
+        self._loop = loop
+        self._claims = claims
+        self._flights = flights
+        self._stats = stats
+        self._degraded = degraded
+        self._waits = waits
+        self._writes = writes
+
+    async def run(self, batch: list[Flight]) -> None:
+        """Claim ``batch`` in one script call and route every value by its answer."""
+        started = self._loop.time()
+        try:
+            letters = await self._claims.claim([f.key for f in batch])
+        except (RedisError, OSError) as exc:
+            self._stats.redis_errors += 1
+            if self._degraded.redis_failed(exc):
+                # The claim may or may not have run; either way the database decides.
+                self._degraded.take(batch)
+                return
+            message = f"Redis failed a claim: {exc!r}"
+            for f in batch:
+                self._flights.fail(f, lambda: Unavailable(message, component="redis"))
+            return
+        self._degraded.success()
+        self._stats.claim_batches += 1
+        writes, resolve, wait = self._writes.queue, self._flights.resolve, self._waits.wait
+        won = False
+        saved = 0
+        for f, letter in zip(batch, letters, strict=True):
+            if letter == "W":
+                f.claimed_at = started
+                writes.append(f)
+                won = True
+            elif letter == "S":
+                saved += 1
+                resolve(f, "redis")
+            else:
+                wait(f)
+        self._stats.redis += saved
+        if won:
+            self._writes.schedule()

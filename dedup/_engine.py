@@ -1,0 +1,189 @@
+"""The engine of an open Gateway: its stages, wired together once at open.
+
+A new value goes from the flight table (step 2) to the claim queue; the claim
+stage (step 3) routes it to the write queue, the wait queue or an answer; the
+write stage (steps 4 and 5) writes and commits. Degraded mode takes the claim and
+write queues over while Redis is skipped. Every stage runs once per batch, never
+once per value; only :meth:`FlightTable.join` runs per new value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+
+from dedup._backends import Backends
+from dedup._batcher import Batcher
+from dedup._claim_stage import ClaimStage
+from dedup._degraded import DegradedMode
+from dedup._flights import Flight, FlightTable
+from dedup._wait_queue import WaitQueue
+from dedup._write_stage import WriteStage
+from dedup.breaker import CircuitBreaker
+from dedup.errors import ConfigError, DedupError
+from dedup.local import SavedCache
+from dedup.metrics import Stats
+from dedup.options import GatewayOptions
+
+__all__ = ["Engine"]
+
+log = logging.getLogger("dedup")
+
+_CLOSED = "the Gateway was closed before this save finished"
+
+
+class Engine:
+    """The flight table, the claim and write queues and stages, the wait queue and
+    degraded mode of one open Gateway, and the tasks they run."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        options: GatewayOptions,
+        backends: Backends,
+        local: SavedCache,
+        stats: Stats,
+    ) -> None:
+        assert backends.claims is not None and backends.sink is not None
+        self._loop = loop
+        self._options = options
+        self._backends = backends
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.flights = FlightTable(
+            loop,
+            max_pending=options.max_pending,
+            wait_timeout_s=options.wait_timeout_s,
+            local=local,
+            stats=stats,
+            start=lambda f: None,  # replaced by the claim queue below
+        )
+        self.degraded = DegradedMode(
+            loop,
+            breaker=CircuitBreaker(
+                failures=options.breaker_failures, cooldown_s=options.breaker_cooldown_s
+            ),
+            flights=self.flights,
+            stats=stats,
+            batch_size=options.max_batch,
+            max_statements=options.degraded_max_statements,
+            max_queue=options.degraded_max_queue,
+            queue_timeout_s=options.degraded_queue_timeout_s,
+            probe=self._probe,
+            spawn=self.spawn,
+        )
+        self.claim_queue = Batcher(
+            loop,
+            max_running=options.max_claim_batches,
+            send=self._send_claims,
+            spawn=self.spawn,
+            on_error=self.fail_unfinished,
+            divert=self.degraded.take,
+            size=options.max_batch,
+            min_fill=options.min_fill,
+        )
+        self.write_queue = Batcher(
+            loop,
+            max_running=options.max_write_batches,
+            send=self._send_writes,
+            spawn=self.spawn,
+            on_error=self.fail_unfinished,
+            # Winners too go through the degraded admission: one bound on statements.
+            divert=self.degraded.take,
+            after=self.degraded.schedule_if_queued,
+            size=options.max_batch,
+            min_fill=options.min_fill,
+        )
+        self.flights.start = self.claim_queue.add
+        self.waits = WaitQueue(
+            loop,
+            flights=self.flights,
+            stats=stats,
+            min_backoff_s=options.min_backoff_s,
+            max_backoff_s=options.max_backoff_s,
+            wait_timeout_s=options.wait_timeout_s,
+            requeue=self.claim_queue.extend,
+        )
+        self.claim_stage = ClaimStage(
+            loop,
+            claims=backends.claims,
+            flights=self.flights,
+            stats=stats,
+            degraded=self.degraded,
+            waits=self.waits,
+            writes=self.write_queue,
+        )
+        self.write_stage = WriteStage(
+            loop,
+            claims=backends.claims,
+            sink=backends.sink,
+            flights=self.flights,
+            stats=stats,
+            degraded=self.degraded,
+            claim_queue=self.claim_queue,
+            lease_s=options.lease_s,
+            write_timeout_s=options.write_timeout_s,
+            write_budget_s=options.write_budget_s,
+        )
+        self.degraded.connect(
+            write_alone=self.write_stage.write_alone,
+            on_error=self.fail_unfinished,
+            claims=self.claim_queue,
+            writes=self.write_queue,
+        )
+        if backends.redis_down_at_open:
+            self.degraded.start_open(f"unreachable at start: {backends.redis_down_at_open}")
+
+    # Bound methods rather than the stages' own, so the queues can be built first.
+    async def _send_claims(self, batch: list[Flight]) -> None:
+        await self.claim_stage.run(batch)
+
+    async def _send_writes(self, batch: list[Flight]) -> None:
+        await self.write_stage.run(batch)
+
+    async def _probe(self) -> None:
+        """One attempt to use Redis again; raises while it cannot be used."""
+        backends = self._backends
+        if not backends.eviction_checked:
+            try:
+                await backends.check_redis()  # never use a Redis that may evict keys
+            except ConfigError as exc:
+                log.error("Redis is reachable but unsafe, so it stays unused: %s", exc)
+                raise
+            return
+        client = backends.redis
+        assert client is not None
+        await asyncio.wait_for(client.ping(), self._options.redis_timeout_s)
+
+    def spawn(self, coro: Awaitable[None]) -> None:
+        """Run ``coro`` as a task owned by the engine (cancelled at :meth:`stop`)."""
+        task: asyncio.Task[None] = self._loop.create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def fail_unfinished(self, batch: list[Flight], exc: BaseException) -> None:
+        """A batch raised (cancelled at close, or a bug): fail its unanswered values."""
+        if isinstance(exc, asyncio.CancelledError):
+            message = _CLOSED
+        else:
+            log.exception("internal error in a batch", exc_info=exc)
+            message = f"internal error: {exc!r}"
+        queued = {id(f) for f in self.claim_queue.queue}
+        queued.update(id(f) for f in self.write_queue.queue)
+        queued.update(id(f) for f in self.degraded.queue)
+        for f in batch:
+            if not f.done and id(f) not in queued:
+                self.flights.fail(f, lambda: DedupError(message))
+
+    async def stop(self) -> None:
+        """Cancel the engine's tasks and fail every value still in flight."""
+        leftovers = self.waits.clear() + self.degraded.clear()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+        leftovers += self.claim_queue.clear() + self.write_queue.clear() + self.degraded.clear()
+        for flight in leftovers:
+            self.flights.fail(flight, lambda: DedupError(_CLOSED))
+        self.flights.fail_all(lambda: DedupError(_CLOSED))
