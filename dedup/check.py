@@ -13,7 +13,6 @@ from typing import Any, Literal
 from dedup.claims import connect_redis, per_node, unsafe_policies
 from dedup.embedded import find_redis_server
 from dedup.errors import ConfigError, DedupError
-from dedup.gateway import Gateway
 from dedup.settings import Config
 from dedup.store import PG_TABLE_EXISTS
 from dedup.urls import check_url_password, embedded_sqlite_url, redact
@@ -163,9 +162,8 @@ async def check(config: Config) -> list[Finding]:
             f"read {config.path}" if config.path else "no config file: built-in defaults",
         )
     ]
-    kwargs = gateway.gateway_kwargs()
     try:
-        Gateway(**kwargs)  # construction checks every option, without any I/O
+        gateway.options()  # checks every option, without any I/O
     except DedupError as exc:
         found.append(Finding("fail", "config", f"[gateway]: {exc}"))
     else:

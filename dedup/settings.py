@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dedup.errors import ConfigError
+from dedup.options import GatewayOptions
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -43,8 +45,11 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 class Settings:
     """Every setting of the ``[gateway]`` table of ``config/dedup.toml``, with its default.
 
-    An empty URL means "embedded default". The Gateway checks the values when it
-    is constructed (:class:`dedup.ConfigError`).
+    One per option of :class:`dedup.options.GatewayOptions` (but ``sink``, which is
+    code): an empty URL means "embedded default", ``write_timeout_ms = 0`` means half
+    the lease, ``retention_s = 0`` means markers are kept, and ``migrate`` is
+    ``auto`` (only the embedded SQLite), ``true`` or ``false``. :meth:`options`
+    checks them all (:class:`dedup.ConfigError`).
     """
 
     redis_url: str = ""
@@ -53,6 +58,7 @@ class Settings:
     namespace: str = "dedup"
     lease_ms: int = 5000
     wait_timeout_s: float = 10.0
+    write_timeout_ms: int = 0
     local_cache_size: int = 100_000
     max_batch: int = 512
     max_claim_batches: int = 4
@@ -62,7 +68,9 @@ class Settings:
     retention_s: float = 0.0
     max_value_bytes: int = 8192
     max_payload_bytes: int = 65536
+    migrate: str = "auto"
     allow_eviction: bool = False
+    require_redis: bool = False
     cluster_shards: int = 0
     breaker_failures: int = 3
     breaker_cooldown_s: float = 1.0
@@ -70,13 +78,32 @@ class Settings:
     degraded_max_queue: int = 10_000
     degraded_queue_timeout_s: float = 1.0
 
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"setting {f.name} must be a finite number, got {value!r}")
+        if self.migrate not in _MIGRATE:
+            raise ConfigError(f"setting migrate must be one of {', '.join(_MIGRATE)}")
+        if self.retention_s < 0:
+            raise ConfigError("setting retention_s must be positive, or 0 to keep markers")
+
     def gateway_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :class:`dedup.Gateway`."""
         kwargs = dataclasses.asdict(self)
         kwargs["redis_url"] = self.redis_url or None
         kwargs["database_url"] = self.database_url or None
         kwargs["retention_s"] = self.retention_s or None
+        kwargs["write_timeout_ms"] = self.write_timeout_ms or None
+        kwargs["migrate"] = _MIGRATE[self.migrate]
         return kwargs
+
+    def options(self) -> GatewayOptions:
+        """The Gateway's options, checked (:class:`dedup.ConfigError`), with no I/O."""
+        return GatewayOptions(**self.gateway_kwargs())
+
+
+_MIGRATE: dict[str, bool | None] = {"auto": None, "true": True, "false": False}
 
 
 @dataclass(frozen=True)
@@ -100,6 +127,8 @@ class ServiceSettings:
     keepalive_timeout_s: float = 75.0
     access_log: bool = False
     log_level: str = "info"
+    log_format: str = "text"
+    worker_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -114,11 +143,18 @@ class ServiceSettings:
         for name in ("max_body_bytes", "max_batch_items", "retry_after_s", "backlog"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
-        for name in ("drain_timeout_s", "ready_timeout_s", "keepalive_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            # NaN compares false with everything, so a bound alone would let it through.
+            if isinstance(value, float) and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{f.name} must be a positive finite number, got {value!r}")
+        if self.worker_timeout_s < 2:
+            # Workers beat every second: a shorter timeout would kill healthy ones.
+            raise ConfigError(f"worker_timeout_s must be at least 2, got {self.worker_timeout_s}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError("log_format must be text or json")
         if self.auth_token != self.auth_token.strip() or any(
             not 0x21 <= ord(c) <= 0x7E for c in self.auth_token
         ):
@@ -174,13 +210,16 @@ def _convert(name: str, raw: Any, kind: type, origin: str) -> Any:
             raise ValueError(raw)
         if kind is str and not isinstance(raw, str):
             raise ValueError(raw)
-        return kind(raw)
+        converted = kind(raw)
     except (TypeError, ValueError):
         # The value itself is not repeated for strings: it may be a secret.
         shown = "a value" if kind is str else repr(raw)
         raise ConfigError(
             f"setting {name} from {origin} must be {kind.__name__}, got {shown}"
         ) from None
+    if kind is float and not math.isfinite(converted):
+        raise ConfigError(f"setting {name} from {origin} must be a finite number, got {raw!r}")
+    return converted
 
 
 def _read_file(config_path: str | Path | None) -> tuple[dict[str, Any], Path | None]:

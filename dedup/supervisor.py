@@ -22,6 +22,7 @@ from typing import Any
 from dedup.errors import ConfigError, DedupError
 from dedup.gateway import Gateway
 from dedup.loop import run as run_loop
+from dedup.options import GatewayOptions
 from dedup.service import serve, setup_logging
 from dedup.settings import ServiceSettings
 
@@ -49,7 +50,7 @@ def run(settings: ServiceSettings, gateway_kwargs: Mapping[str, Any]) -> int:
         gateway = Gateway(**gateway_kwargs)  # checks the options before anything starts
         run_loop(serve(gateway, settings))
         return 0
-    Gateway(**gateway_kwargs)  # the same early check, before any worker is spawned
+    GatewayOptions(**gateway_kwargs)  # the same early check, before any worker is spawned
     return Supervisor(settings, dict(gateway_kwargs)).run()
 
 
