@@ -32,7 +32,7 @@ import inspect
 import logging
 import random
 import weakref
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -48,7 +48,19 @@ if TYPE_CHECKING:
     from dedup.gateway import Gateway
     from dedup.store import DefaultSink
 
-__all__ = ["Lease", "Saved", "begin", "filter", "get", "once", "run_once"]
+__all__ = [
+    "Lease",
+    "RepeatBody",
+    "Saved",
+    "begin",
+    "check_status",
+    "filter",
+    "get",
+    "http_error",
+    "once",
+    "repeat_body",
+    "run_once",
+]
 
 log = logging.getLogger("dedup")
 
@@ -490,7 +502,7 @@ def filter(
     payload: Callable[[_T], Any] | None = None,
     batch_size: int = 256,
     linger_s: float = 0.005,
-) -> AsyncIterator[_T]:
+) -> AsyncGenerator[_T, None]:
     """Yield, in order, the items of ``stream`` whose save created the row: each value
     passes once, however often and from however many processes it arrives.
 
@@ -527,7 +539,7 @@ async def _filter(
     payload: Callable[[_T], Any] | None,
     batch_size: int,
     linger_s: float,
-) -> AsyncIterator[_T]:
+) -> AsyncGenerator[_T, None]:
     limits = self._parts().limits
     loop = asyncio.get_running_loop()
     batch: list[_T] = []
@@ -606,3 +618,35 @@ async def _filter(
             pending.cancel()
             with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
                 await pending
+
+
+# ----------------------------------------------------------------- HTTP middleware
+# What the ASGI and aiohttp middlewares share: how a repeat and an error answer.
+
+RepeatBody = Callable[[str, Any], Any]
+"""Maps (key, stored payload) to the JSON body of a repeat's response."""
+
+
+def repeat_body(key: str, stored: Any) -> Any:
+    """The default body of a repeat: ``{"error": "duplicate", "key", "status"}``, where
+    ``status`` is what the handler answered the first time."""
+    status = stored.get("status") if isinstance(stored, dict) else None
+    return {"error": "duplicate", "key": key, "status": status}
+
+
+def http_error(exc: DedupError) -> tuple[int, Any, dict[str, str]]:
+    """The status, JSON body and headers of a middleware's answer to ``exc``: 400 for a
+    bad key, 409 with Retry-After while another request with the key is still being
+    handled, 503 with Retry-After when Redis or the database cannot serve."""
+    if isinstance(exc, InvalidInput):
+        return 400, {"error": "invalid_key", "detail": str(exc)}, {}
+    if isinstance(exc, WaitTimeout):
+        return 409, {"error": "in_progress", "detail": str(exc)}, {"Retry-After": "1"}
+    return 503, {"error": "unavailable", "detail": str(exc)}, {"Retry-After": "1"}
+
+
+def check_status(repeat_status: object) -> int:
+    """``repeat_status`` if it is an HTTP status code (100-599), else InvalidInput."""
+    if type(repeat_status) is not int or not 100 <= repeat_status <= 599:
+        raise InvalidInput("repeat_status must be an HTTP status code", field="repeat_status")
+    return repeat_status
