@@ -94,7 +94,7 @@ class Backends:
             lease_ms=options.lease_ms,
             retention_ms=options.retention_ms,
             stats=self._stats,
-            max_parallel=connections - 2,
+            max_parallel=connections - 4,
         )
         if options.sink is not None:
             self.sink = options.sink

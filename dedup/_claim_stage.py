@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 from dedup._batcher import Batcher
 from dedup._degraded import DegradedMode
 from dedup._flights import Flight, FlightTable
+from dedup._shared import SharedWrites
 from dedup._wait_queue import WaitQueue
 from dedup.claims import Claims
 from dedup.errors import Unavailable
@@ -27,7 +28,8 @@ __all__ = ["ClaimStage"]
 class ClaimStage:
     """Sends claim batches and routes each value by the script's answer."""
 
-    __slots__ = ("_claims", "_degraded", "_flights", "_loop", "_stats", "_waits", "_writes")
+    __slots__ = ("_claims", "_degraded", "_flights", "_loop", "_stats", "_waits", "_writes",
+                 "shared")  # fmt: skip
 
     def __init__(
         self,
@@ -47,9 +49,14 @@ class ClaimStage:
         self._degraded = degraded
         self._waits = waits
         self._writes = writes
+        self.shared: SharedWrites | None = None
+        """The fleet's write queue, when this Gateway may use it."""
 
     async def run(self, batch: list[Flight]) -> None:
         """Claim ``batch`` in one script call and route every value by its answer."""
+        batch = [f for f in batch if not f.done]  # a shared writer's word may have come
+        if not batch:
+            return
         started = self._loop.time()
         try:
             letters = await self._claims.claim([f.key for f in batch])
@@ -66,13 +73,21 @@ class ClaimStage:
         self._degraded.success()
         self._stats.claim_batches += 1
         writes, resolve, wait = self._writes.queue, self._flights.resolve, self._waits.wait
+        shared = self.shared if self.shared is not None and self.shared.active else None
+        queued: list[Flight] = []
         won = False
         saved = 0
         for f, letter in zip(batch, letters, strict=True):
             if letter == "W":
                 f.claimed_at = started
-                writes.append(f)
-                won = True
+                if shared is not None and not f.shared:
+                    f.shared = True
+                    queued.append(f)
+                else:
+                    # Per process, or a queued row with no word within its lease: write
+                    # it here (the lease is ours), so a dead writer delays it one lease.
+                    writes.append(f)
+                    won = True
             elif letter == "S":
                 saved += 1
                 resolve(f, "redis")
@@ -81,3 +96,12 @@ class ClaimStage:
         self._stats.redis += saved
         if won:
             self._writes.schedule()
+        if queued:
+            assert shared is not None
+            try:
+                await shared.enqueue(queued)
+            except (RedisError, OSError) as exc:
+                # The leases are ours either way: write these here, or degraded.
+                self._stats.redis_errors += 1
+                self._degraded.redis_failed(exc)
+                self._writes.extend(queued)

@@ -13,11 +13,14 @@ import asyncio
 import logging
 from collections.abc import Awaitable
 
+from redis.asyncio import Redis
+
 from dedup._backends import Backends
 from dedup._batcher import Batcher
 from dedup._claim_stage import ClaimStage
 from dedup._degraded import DegradedMode
 from dedup._flights import Flight, FlightTable
+from dedup._shared import SharedWrites
 from dedup._wait_queue import WaitQueue
 from dedup._write_stage import WriteStage
 from dedup.breaker import CircuitBreaker
@@ -131,6 +134,29 @@ class Engine:
             claims=self.claim_queue,
             writes=self.write_queue,
         )
+        self.shared: SharedWrites | None = None
+        if options.shared_mode != "off":
+            assert isinstance(backends.redis, Redis)
+            self.shared = SharedWrites(
+                loop,
+                mode=options.shared_mode,
+                client=backends.redis,
+                namespace=options.namespace,
+                claims=backends.claims,
+                sink=backends.sink,
+                flights=self.flights,
+                waits=self.waits,
+                stats=stats,
+                redis_failed=self.degraded.redis_failed,
+                usable=lambda: not self.degraded.active,
+                spawn=self.spawn,
+                batch_rows=options.max_batch,
+                linger_s=options.shared_linger_ms / 1000,
+                lease_s=options.lease_s,
+                write_timeout_s=options.write_timeout_s,
+            )
+            self.claim_stage.shared = self.shared
+            self.shared.start()
         if backends.redis_down_at_open:
             self.degraded.start_open(f"unreachable at start: {backends.redis_down_at_open}")
 
@@ -177,6 +203,8 @@ class Engine:
 
     async def stop(self) -> None:
         """Cancel the engine's tasks and fail every value still in flight."""
+        if self.shared is not None:
+            await self.shared.stop()
         leftovers = self.waits.clear() + self.degraded.clear()
         tasks = list(self._tasks)
         for task in tasks:

@@ -28,7 +28,7 @@ class Flight:
     """One value on its way through claim, wait and write; shared by its callers."""
 
     __slots__ = ("backoff", "claimed_at", "deadline", "digest", "done", "key", "kind",
-                 "payload_json", "queued_until", "value", "waiters")  # fmt: skip
+                 "payload_json", "queued_until", "shared", "value", "waiters")  # fmt: skip
 
     def __init__(
         self,
@@ -53,6 +53,7 @@ class Flight:
         self.claimed_at = 0.0
         self.backoff = 0.0
         self.queued_until = 0.0  # degraded mode: Overloaded if not written by then
+        self.shared = False  # its row went to the fleet's writer once (dedup._shared)
 
 
 class FlightTable:

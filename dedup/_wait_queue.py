@@ -80,6 +80,15 @@ class WaitQueue:
                 self._timer.cancel()
             self._timer = self._loop.call_at(due, self._wake)
 
+    def recheck_at(self, f: Flight, due: float) -> None:
+        """Claim ``f`` again at ``due`` unless it is answered before (a queued row)."""
+        self._seq += 1
+        heapq.heappush(self._heap, (due, self._seq, f))
+        if self._heap[0][2] is f:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self._loop.call_at(due, self._wake)
+
     def _wake(self) -> None:
         """Hand every waiter that is due back to the claims, as one batch."""
         self._timer = None
@@ -87,7 +96,9 @@ class WaitQueue:
         heap = self._heap
         due: list[Flight] = []
         while heap and heap[0][0] <= now:
-            due.append(heapq.heappop(heap)[2])
+            f = heapq.heappop(heap)[2]
+            if not f.done:  # answered meanwhile (by the shared writer's word)
+                due.append(f)
         self._requeue(due)
         if heap:
             self._timer = self._loop.call_at(heap[0][0], self._wake)

@@ -108,6 +108,8 @@ class Gateway:
         degraded_max_statements: int = 2,
         degraded_max_queue: int = 10_000,
         degraded_queue_timeout_s: float = 1.0,
+        shared_writes: str = "auto",
+        shared_linger_ms: float = 2.0,
     ) -> None:
         self.options = options = GatewayOptions(
             redis_url=redis_url,
@@ -136,6 +138,8 @@ class Gateway:
             degraded_max_statements=degraded_max_statements,
             degraded_max_queue=degraded_max_queue,
             degraded_queue_timeout_s=degraded_queue_timeout_s,
+            shared_writes=shared_writes,
+            shared_linger_ms=shared_linger_ms,
         )
         """The checked options (:class:`dedup.options.GatewayOptions`)."""
         try:

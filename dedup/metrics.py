@@ -24,6 +24,9 @@ class Stats:
     Degraded mode: ``breaker_opens`` (times the circuit opened because Redis
     failed) and ``degraded_answers`` (values answered by a degraded write, with
     Redis skipped; they are also counted in ``write`` or ``db``).
+    Shared writes: ``shared_rows_queued`` (winners' rows this gateway queued for
+    the fleet's writer) and ``shared_statements`` (statements it wrote as that
+    writer, also counted in ``db_statements``).
     """
 
     local: int = 0
@@ -44,6 +47,8 @@ class Stats:
     overloaded: int = 0
     breaker_opens: int = 0
     degraded_answers: int = 0
+    shared_rows_queued: int = 0
+    shared_statements: int = 0
 
     @property
     def answers(self) -> int:

@@ -17,7 +17,11 @@ from dedup.errors import ConfigError
 from dedup.types import BatchWriter
 from dedup.urls import CLUSTER_SCHEMES, DATABASE_SCHEMES, REDIS_SCHEMES, check_url_password
 
-__all__ = ["CLUSTER_DEFAULT_SHARDS", "GatewayOptions"]
+__all__ = ["CLUSTER_DEFAULT_SHARDS", "SHARED_WRITES", "GatewayOptions"]
+
+SHARED_WRITES = ("auto", "on", "off")
+"""Values of ``shared_writes``: across processes while several gateways are alive
+(``auto``), always (``on``), or never (``off``: each process writes its own winners)."""
 
 CLUSTER_DEFAULT_SHARDS = 64
 """Hash-tag shards on a cluster when ``cluster_shards`` is 0: without tags a batch
@@ -72,6 +76,8 @@ class GatewayOptions:
     degraded_max_statements: int = 2
     degraded_max_queue: int = 10_000
     degraded_queue_timeout_s: float = 1.0
+    shared_writes: str = "auto"
+    shared_linger_ms: float = 2.0
 
     def __post_init__(self) -> None:
         if self.sink is not None and self.database_url is not None:
@@ -105,6 +111,18 @@ class GatewayOptions:
             _whole(self, "write_timeout_ms", 1)
         if not 0 < self.write_timeout_ms_effective < self.lease_ms:
             raise ConfigError("write_timeout_ms must be positive and below lease_ms")
+        if self.shared_writes not in SHARED_WRITES:
+            raise ConfigError(f"shared_writes must be one of {', '.join(SHARED_WRITES)}")
+        if self.shared_writes == "on" and self.cluster:
+            raise ConfigError("shared_writes='on' needs a single Redis server, not a cluster")
+        if not (
+            type(self.shared_linger_ms) in (int, float)
+            and math.isfinite(self.shared_linger_ms)
+            and 0 <= self.shared_linger_ms <= 1000
+        ):
+            raise ConfigError(
+                f"shared_linger_ms must be a number from 0 to 1000, got {self.shared_linger_ms!r}"
+            )
         if self.max_batch > self.max_pending:
             # A single batch could never be admitted.
             raise ConfigError(
@@ -158,8 +176,14 @@ class GatewayOptions:
     @property
     def redis_connections(self) -> int:
         """The Redis pool's size: one per claim and write batch in flight, plus two
-        (the probe, and a commit riding beside a claim)."""
-        return self.max_claim_batches + self.max_write_batches + 2
+        (the probe, and a commit riding beside a claim), plus two for shared writes
+        (the listener's subscription and the writer's blocking pop)."""
+        return self.max_claim_batches + self.max_write_batches + 4
+
+    @property
+    def shared_mode(self) -> str:
+        """``shared_writes`` as it applies: ``off`` on a cluster (the queue is one key)."""
+        return "off" if self.cluster else self.shared_writes
 
     @property
     def retention_ms(self) -> int:

@@ -77,6 +77,8 @@ class Settings:
     degraded_max_statements: int = 2
     degraded_max_queue: int = 10_000
     degraded_queue_timeout_s: float = 1.0
+    shared_writes: str = "auto"
+    shared_linger_ms: float = 2.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -123,8 +123,9 @@ NON_FINITE = st.sampled_from([math.nan, math.inf, -math.inf])
 @settings(deadline=None, max_examples=60)
 @given(name=st.sampled_from(FLOAT_OPTIONS), bad=NON_FINITE)
 def test_non_finite_numbers_refused_by_the_gateway(name: str, bad: float) -> None:
+    kwargs: dict[str, Any] = {name: bad}
     with pytest.raises(ConfigError, match=name):
-        Gateway(**{name: bad})
+        Gateway(**kwargs)
 
 
 SETTING_FLOATS = [f.name for f in fields(Settings) if f.type == "float"]
