@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import orjson
-from redis.exceptions import RedisError
+from redis.exceptions import MaxConnectionsError, RedisError
 
 from dedup.errors import DedupError, InvalidInput, Unavailable, WaitTimeout
 from dedup.keys import encode_payload, validate_kind, validate_value
@@ -72,13 +72,17 @@ _T = TypeVar("_T")
 # lease expires is not delayed much.
 _FIRST_POLL_S = 0.01
 _MAX_POLL_S = 0.2
+# Redis calls that found the Gateway's pool full are retried this often, this far apart.
+_POOL_RETRIES = 50
+_POOL_RETRY_S = 0.005
 
 
 class _Batched:
     """One script's calls for one Gateway: every key asked for while a call is in flight
     goes in the next call, and the calls of every :class:`_Batched` of a Gateway go one
-    at a time (``gate``): the Gateway's Redis pool is sized for its own stages, with
-    one connection to spare, and raises rather than waits past its size."""
+    at a time (``gate``): the Gateway's Redis pool is sized for its own stages and
+    raises rather than waits past its size, so these calls take one connection at
+    most, and retry for a moment when none is free."""
 
     __slots__ = ("_gate", "_run", "_sender", "_waiting")
 
@@ -98,6 +102,16 @@ class _Batched:
             self._sender = asyncio.get_running_loop().create_task(self._drain())
         return await fut
 
+    async def _call(self, keys: list[bytes]) -> list[str]:
+        # Under a full load of saves the Gateway's own stages may hold every pooled
+        # connection for a moment: wait for one rather than fail the run.
+        for _ in range(_POOL_RETRIES):
+            try:
+                return await self._run(keys)
+            except MaxConnectionsError:
+                await asyncio.sleep(_POOL_RETRY_S)
+        return await self._run(keys)
+
     async def _drain(self) -> None:
         try:
             await asyncio.sleep(0)  # the callers of this tick join the first call
@@ -105,7 +119,7 @@ class _Batched:
                 batch, self._waiting = self._waiting, {}
                 try:
                     async with self._gate:
-                        answers = await self._run(list(batch))
+                        answers = await self._call(list(batch))
                 except Exception as exc:
                     for futs in batch.values():
                         for fut in futs:

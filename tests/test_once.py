@@ -305,3 +305,26 @@ async def test_a_killed_runner_is_taken_over_after_its_lease(
         assert await gw.get("job", "order-1") == result
     # "once" cannot promise more: the killed runner's side effect happened too.
     assert effects.read_text().splitlines() == ["order-1 killed", "order-1 survivor"]
+
+
+async def test_once_beside_a_full_load_of_saves(gw: Gateway) -> None:
+    """The run-once calls share the Gateway's Redis pool with its own stages."""
+
+    @gw.once("job")
+    async def work(value: str) -> str:
+        return value.upper()
+
+    async def saver(n: int) -> None:
+        for i in range(100):
+            await gw.save("load", f"{n}-{i}")
+
+    async def runner(n: int) -> list[Any]:
+        return [await work(f"v{i % 20}") for i in range(n, n + 40)]
+
+    async with asyncio.timeout(DEADLINE_S):
+        results = await asyncio.gather(
+            *(saver(n) for n in range(64)), *(runner(n) for n in range(16))
+        )
+    for ran in results[64:]:
+        assert all(isinstance(r, str) and r.startswith("V") for r in ran)
+    assert await gw.count_rows(["load", "job"]) == 64 * 100 + 20

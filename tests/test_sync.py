@@ -72,6 +72,13 @@ def test_bad_input_is_typed(redis_url: str, pg_url: str) -> None:
         SyncGateway(redis_url, pg_url, call_timeout_s=0)
 
 
+def test_a_failed_open_raises_and_leaves_no_thread(redis_url: str, pg_url: str) -> None:
+    before = threading.active_count()
+    with pytest.raises(DedupError):  # port 1: nothing listens there
+        SyncGateway(redis_url, pg_url.rsplit("@", 1)[0] + "@127.0.0.1:1/none")
+    assert threading.active_count() == before
+
+
 def test_call_timeout_cancels_the_call(redis_url: str) -> None:
     release = threading.Event()
 
