@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.asyncio import ConnectionPool, Redis
@@ -18,11 +19,28 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.crc import key_slot
-from redis.exceptions import ConnectionError, RedisError
+from redis.exceptions import (
+    ConnectionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
 
+from dedup.bloom import BloomLayout, BloomSpec
 from dedup.errors import ConfigError
+from dedup.keys import DEFAULT_MARKER_BUCKETS, LAYOUTS, MarkerLayout, key_head
 from dedup.metrics import Stats
-from dedup.scripts import ABORT, CLAIM, COMMIT, Script
+from dedup.scripts import (
+    ABORT,
+    CLAIM,
+    CLAIM_BLOOM,
+    CLAIM_COMPACT,
+    COMMIT,
+    COMMIT_BLOOM,
+    COMMIT_COMPACT,
+    Script,
+)
 from dedup.urls import CLUSTER_SCHEMES, REDIS_SCHEMES, scrub
 
 __all__ = [
@@ -31,12 +49,24 @@ __all__ = [
     "Claims",
     "connect_redis",
     "per_node",
+    "probe_write",
     "unlink_matching",
     "unsafe_policies",
+    "unwritable_reason",
 ]
 
 
 _CLAIM, _COMMIT, _ABORT = Script(CLAIM), Script(COMMIT), Script(ABORT)
+_CLAIM_COMPACT, _COMMIT_COMPACT = Script(CLAIM_COMPACT), Script(COMMIT_COMPACT)
+_CLAIM_BLOOM, _COMMIT_BLOOM = Script(CLAIM_BLOOM), Script(COMMIT_BLOOM)
+_CLAIMS = (_CLAIM, _CLAIM_COMPACT, _CLAIM_BLOOM)
+_SKEW_ALLOWANCE_MS = 60_000
+_PROBE_PX = 10_000
+_UNWRITABLE_TEXTS = (
+    ("oom", ("OOM command not allowed", "command not allowed when used memory")),
+    ("readonly", ("READONLY", "You can't write against a read only")),
+    ("misconf", ("MISCONF", "configured to save RDB snapshots")),
+)
 
 
 def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis | RedisCluster:
@@ -117,9 +147,41 @@ class Claims:
 
     The token is random per Claims object (one per Gateway): a lease this
     Gateway already holds is extended on a re-claim, never reported busy.
+
+    Keys are :meth:`dedup.keys.KeySpace.key` names; each is also the value's lease
+    key. Where "saved" is recorded (see :mod:`dedup.scripts`):
+
+    * ``layout="compact"`` (default): a field of a hash bucket
+      (:class:`dedup.keys.MarkerLayout`, ``marker_buckets`` buckets per generation,
+      split over ``cluster_shards`` hash tags, which should match the KeySpace's);
+    * ``layout="keys"``: the lease key becomes ``"1"`` (the layout before issue 12);
+    * ``approximate=BloomSpec(...)``: a Bloom filter (:mod:`dedup.bloom`), opt-in,
+      which answers "saved" for a configured fraction of new values.
+
+    The compact and approximate layouts read an old-layout ``"1"`` as saved too.
+    With ``retention_ms > 0`` their markers live in generations of
+    ``retention_ms / (marker_generations - 1)`` ms, named in the bucket: a claim
+    reads the last ``marker_generations``, a commit writes the current one, and each
+    generation's buckets expire whole (a marker lives between ``retention_ms`` and
+    ``retention_ms * g / (g - 1)`` after its commit). The generation comes from this
+    host's clock; a skewed clock only moves a marker's end by the skew (and an
+    expired marker costs a redundant INSERT that the database's unique key absorbs).
     """
 
-    __slots__ = ("_client", "_cluster", "_lease", "_slot_calls", "_stats", "_token", "retention_ms")
+    __slots__ = (
+        "_bloom",
+        "_client",
+        "_cluster",
+        "_generations",
+        "_lease",
+        "_markers",
+        "_period_ms",
+        "_slot_calls",
+        "_stats",
+        "_token",
+        "layout",
+        "retention_ms",
+    )
 
     def __init__(
         self,
@@ -129,12 +191,30 @@ class Claims:
         retention_ms: int,
         stats: Stats,
         max_parallel: int = 8,
+        layout: str = "compact",
+        marker_buckets: int = DEFAULT_MARKER_BUCKETS,
+        cluster_shards: int = 0,
+        marker_generations: int = 2,
+        approximate: BloomSpec | None = None,
     ) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+        if marker_generations < 2:
+            raise ValueError("marker_generations must be >= 2")
+        if approximate is not None and layout == "keys":
+            raise ValueError("approximate mode replaces the markers: use layout='compact'")
         self._client = client
         self._cluster = isinstance(client, RedisCluster)
         self._lease = lease_ms
         self.retention_ms = retention_ms
         self._stats = stats
+        self.layout = "approximate" if approximate is not None else layout
+        self._markers = MarkerLayout(marker_buckets=marker_buckets, cluster_shards=cluster_shards)
+        self._bloom = (
+            None if approximate is None else BloomLayout(approximate, cluster_shards=cluster_shards)
+        )
+        self._generations = marker_generations
+        self._period_ms = -(-retention_ms // (marker_generations - 1)) if retention_ms > 0 else 0
         # "L" keeps a token distinct from the saved marker "1" whatever the randomness.
         self._token = "L" + secrets.token_hex(12)
         # On a cluster one batch fans out into a call per slot; bounding them all
@@ -146,42 +226,134 @@ class Claims:
         """This claimant's lease token."""
         return self._token
 
+    @property
+    def markers(self) -> MarkerLayout:
+        """The compact layout's bucket sizing (bits kept, field bytes)."""
+        return self._markers
+
+    @property
+    def bloom(self) -> BloomLayout | None:
+        """The approximate mode's filter sizing, or None."""
+        return self._bloom
+
+    def generations(self, now_ms: int | None = None) -> tuple[list[bytes], int]:
+        """The generation names a claim reads, newest first, and when the newest one's
+        buckets expire (Unix ms; 0 = never): ``([b""], 0)`` without a retention."""
+        period = self._period_ms
+        if not period:
+            return [b""], 0
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        g = now // period
+        # Readers stop reading a generation at (g + n) * period by their own clocks; the
+        # allowance keeps it a little longer for a reader whose clock is behind.
+        expire_at = (g + self._generations) * period + min(period, _SKEW_ALLOWANCE_MS)
+        return [b"%d" % (g - j) for j in range(self._generations)], expire_at
+
     async def claim(self, keys: Sequence[bytes]) -> str:
         """One letter per key: ``S`` saved, ``W`` won (lease held), ``B`` busy."""
-        results = await self._run(_CLAIM, keys, (self._token, self._lease))
+        head: tuple[Any, ...] = (self._token, self._lease)
+        if self.layout == "keys":
+            results = await self._run(_CLAIM, keys, lambda ks: (ks, head))
+        else:
+            reads, _ = self.generations()
+            script = _CLAIM_COMPACT if self._bloom is None else _CLAIM_BLOOM
+            results = await self._run(script, keys, lambda ks: self._claim_call(ks, reads))
         return "".join(r.decode() if isinstance(r, bytes) else r for r in results)
 
     async def commit(self, keys: Sequence[bytes]) -> int:
         """Mark ``keys`` saved; returns how many still held this token's lease."""
-        results = await self._run(_COMMIT, keys, (self._token, self.retention_ms))
+        if self.layout == "keys":
+            args = (self._token, self.retention_ms)
+            results = await self._run(_COMMIT, keys, lambda ks: (ks, args))
+        else:
+            reads, expire_at = self.generations()
+            script = _COMMIT_COMPACT if self._bloom is None else _COMMIT_BLOOM
+            results = await self._run(
+                script, keys, lambda ks: self._commit_call(ks, reads[0], expire_at)
+            )
         return sum(int(r) for r in results)
 
     async def abort(self, keys: Sequence[bytes]) -> int:
         """Release this token's leases on ``keys``; returns how many were released."""
-        results = await self._run(_ABORT, keys, (self._token,))
+        args = (self._token,)
+        results = await self._run(_ABORT, keys, lambda ks: (ks, args))
         return sum(int(r) for r in results)
 
-    async def _run(self, script: Script, keys: Sequence[bytes], args: Sequence[Any]) -> list[Any]:
-        """Run ``script`` over ``keys``: one call, or one per slot on a cluster, in key order."""
+    def _claim_call(
+        self, keys: Sequence[bytes], reads: list[bytes]
+    ) -> tuple[list[bytes], list[Any]]:
+        """KEYS and ARGV of a compact or approximate claim of ``keys``."""
+        all_keys, args = list(keys), [self._token, self._lease, len(reads)]
+        bloom = self._bloom
+        if bloom is None:
+            locate = self._markers.locate
+            fields = []
+            for key in keys:
+                buckets, field = locate(key, reads)
+                all_keys.extend(buckets)
+                fields.append(field)
+            args.extend(fields)
+        else:
+            args.append(bloom.k)
+            for key in keys:
+                parts, bits = bloom.locate(key, reads)
+                all_keys.extend(parts)
+                args.extend(bits)
+        return all_keys, args
+
+    def _commit_call(
+        self, keys: Sequence[bytes], current: bytes, expire_at: int
+    ) -> tuple[list[bytes], list[Any]]:
+        """KEYS and ARGV of a compact or approximate commit of ``keys``."""
+        all_keys, args = list(keys), [self._token, expire_at]
+        bloom, now = self._bloom, [current]
+        if bloom is None:
+            locate = self._markers.locate
+            for key in keys:
+                buckets, field = locate(key, now)
+                all_keys.append(buckets[0])
+                args.append(field)
+        else:
+            args.append(bloom.k)
+            for key in keys:
+                parts, bits = bloom.locate(key, now)
+                all_keys.append(parts[0])
+                args.extend(bits)
+        return all_keys, args
+
+    async def _run(
+        self,
+        script: Script,
+        keys: Sequence[bytes],
+        build: Callable[[Sequence[bytes]], tuple[Sequence[bytes], Sequence[Any]]],
+    ) -> list[Any]:
+        """Run ``script`` over ``keys`` (KEYS and ARGV from ``build``): one call, or one
+        per slot on a cluster, in key order."""
         if not keys:
             return []
         client = self._client
         if not self._cluster:
-            result, trips = await script(client, keys, args)
+            result, trips = await script(client, *build(keys))
             self._stats.redis_round_trips += trips
             return [result]
         groups: dict[int, list[int]] = {}
         for i, key in enumerate(keys):
             groups.setdefault(key_slot(key), []).append(i)
+        if self.layout != "keys" and any(b"{" not in key_head(keys[i[0]]) for i in groups.values()):
+            # Buckets and filters share the lease key's slot through its hash tag only.
+            raise ConfigError(
+                "the compact and approximate layouts need hash-tagged keys on a "
+                "cluster (cluster_shards > 0)"
+            )
 
         async def one_slot(idx: list[int]) -> Any:
             async with self._slot_calls:
-                result, trips = await script(client, [keys[i] for i in idx], args)
+                result, trips = await script(client, *build([keys[i] for i in idx]))
                 self._stats.redis_round_trips += trips
                 return result
 
         parts = await asyncio.gather(*(one_slot(idx) for idx in groups.values()))
-        if script is not _CLAIM:
+        if script not in _CLAIMS:
             return list(parts)
         # Claim answers are strings: put each letter back at its key's position.
         letters = [""] * len(keys)
@@ -190,3 +362,57 @@ class Claims:
             for i, letter in zip(idx, text, strict=True):
                 letters[i] = letter
         return ["".join(letters)]
+
+
+def unwritable_reason(exc: BaseException) -> str | None:
+    """Why Redis refused a write, if ``exc`` (or an exception it was raised from) says
+    so: ``"oom"`` (``maxmemory`` reached under noeviction), ``"readonly"`` (a replica,
+    as after a failover) or ``"misconf"`` (snapshots failing with
+    ``stop-writes-on-bgsave-error yes``); None for anything else (a connection error,
+    a timeout, a bug). These answers mean "up but cannot take writes": treat them like
+    a Redis that is down, with the reason shown."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # the cause chain, bounded
+        if seen is None:
+            return None
+        if isinstance(seen, OutOfMemoryError):
+            return "oom"
+        if isinstance(seen, ReadOnlyError):
+            return "readonly"
+        if isinstance(seen, ResponseError):
+            # redis-py strips a known code (OOM, READONLY) and keeps an unknown one
+            # (MISCONF); a server that wraps script errors in ERR keeps the message.
+            text = str(seen)
+            for reason, marks in _UNWRITABLE_TEXTS:
+                if any(mark in text for mark in marks):
+                    return reason
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+async def probe_write(client: Redis | RedisCluster, namespace: str) -> None:
+    """Write a tiny key in ``namespace`` (SET with a 10 s PX, then DEL), on every
+    primary of a cluster; raise what Redis raises if it cannot take a write.
+
+    A PING answers on a full, read-only or MISCONF server: only a write tells
+    whether claims would succeed again (:func:`unwritable_reason` reads the error).
+    """
+    name = f"{namespace}:probe:{secrets.token_hex(6)}"
+    if not isinstance(client, RedisCluster):
+        await client.set(name, "1", px=_PROBE_PX)
+        await client.delete(name)
+        return
+    # One key per primary: a hash tag that lands on each of them.
+    wanted = {node.name for node in client.get_primaries()}
+    probes: list[str] = []
+    for i in range(100_000):
+        if not wanted:
+            break
+        key = f"{name}:{{{i}}}"
+        node = client.get_node_from_key(key)
+        if node is not None and node.name in wanted:
+            wanted.discard(node.name)
+            probes.append(key)
+    for key in probes:
+        await client.set(key, "1", px=_PROBE_PX)
+        await client.delete(key)

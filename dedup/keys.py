@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -17,13 +18,18 @@ import orjson
 from dedup.errors import InvalidInput
 
 __all__ = [
+    "DEFAULT_MARKER_BUCKETS",
     "DIGEST_BYTES",
     "KIND_PATTERN",
+    "LAYOUTS",
+    "MARKER_BITS",
     "MAX_KIND_CHARS",
     "KeySpace",
     "Limits",
+    "MarkerLayout",
     "digest",
     "encode_payload",
+    "key_head",
     "validate_kind",
     "validate_value",
 ]
@@ -31,6 +37,17 @@ __all__ = [
 DIGEST_BYTES = 16
 MAX_KIND_CHARS = 128
 _KIND_DIGEST_BYTES = 8
+_TAIL_BYTES = _KIND_DIGEST_BYTES + DIGEST_BYTES  # what follows the head in every key
+
+LAYOUTS = ("compact", "keys")
+"""Where "saved" markers live: ``compact`` (fields of hash buckets, the default) or
+``keys`` (one key per value holding ``"1"``, the layout before issue 12)."""
+MARKER_BITS = 96
+"""Bits of a value's digest that the bucket name and the field of its compact marker
+hold at least: a new value is answered "saved" by mistake with a chance of at most
+N / 2**96 when N values are saved."""
+DEFAULT_MARKER_BUCKETS = 65536
+_MAX_BUCKETS_PER_TAG = 1 << 24  # the bucket index comes from 3 bytes of the digest
 # Characters a kind may not hold: controls (C0, DEL, C1), line and paragraph
 # separators, and the invisible format characters that reorder or hide text (bidi
 # controls, zero-width characters, BOM), plus noncharacters. An explicit list rather
@@ -192,5 +209,67 @@ class KeySpace:
 
     @property
     def match_pattern(self) -> bytes:
-        """A SCAN pattern matching every key of this namespace."""
+        """A SCAN pattern matching every key of this namespace (leases, markers, buckets)."""
         return self.prefix + b"*"
+
+
+def key_head(key: bytes) -> bytes:
+    """The namespace and hash tag of a key from :meth:`KeySpace.key`: the part that
+    the key's bucket shares with it, so that both live in one Cluster slot."""
+    return key[:-_TAIL_BYTES]
+
+
+class MarkerLayout:
+    """Where the compact layout keeps the "saved" marker of a value.
+
+    A marker is a field of a small hash, a bucket, named after the value's key head
+    (namespace and hash tag, hence the same Cluster slot as the lease key):
+
+    * bucket ``<namespace>:[{tag}]m:<index>``, or ``...m<generation>:<index>`` when
+      markers are kept for a retention period;
+    * field: ``field_bytes`` raw bytes (10 by default), value ``"1"``.
+
+    Both come from ``x`` = the value digest XOR the kind digest (twice): buckets are
+    shared by all kinds of a namespace, so a few values of many kinds still fill them.
+    The index is ``x[1:4] % buckets_per_tag`` and the field ``x[4:4+field_bytes]``;
+    the shard tag comes from the digest's byte 0. Index, tag and field use disjoint
+    bytes, so together they hold ``guaranteed_bits`` >= :data:`MARKER_BITS` bits.
+    """
+
+    __slots__ = ("_kinds", "buckets_per_tag", "field_bytes", "guaranteed_bits")
+
+    def __init__(self, *, marker_buckets: int = DEFAULT_MARKER_BUCKETS, cluster_shards: int = 0):
+        if not 1 <= marker_buckets <= _MAX_BUCKETS_PER_TAG:
+            raise ValueError(f"marker_buckets must be 1 to {_MAX_BUCKETS_PER_TAG}")
+        if cluster_shards < 0:
+            raise ValueError("cluster_shards must be >= 0")
+        tags = max(1, cluster_shards)
+        self.buckets_per_tag = max(1, -(-marker_buckets // tags))
+        # Bits the bucket's name carries for sure: its index, and the tag when the tag is
+        # a uniform function of byte 0 (a count of tags that divides 256).
+        name_bits = self.buckets_per_tag.bit_length() - 1
+        if 256 % tags == 0:
+            name_bits += tags.bit_length() - 1
+        self.field_bytes = min(12, -(-(MARKER_BITS - name_bits) // 8))
+        self.guaranteed_bits = name_bits + 8 * self.field_bytes
+        self._kinds: dict[bytes, int] = {}
+
+    def locate(
+        self, key: bytes, generations: Sequence[bytes] = (b"",)
+    ) -> tuple[list[bytes], bytes]:
+        """The buckets of ``key`` (a :meth:`KeySpace.key`), one per name in
+        ``generations`` (``b""`` when markers never expire), and its field."""
+        kind = key[-_TAIL_BYTES:-DIGEST_BYTES]
+        mask = self._kinds.get(kind)
+        if mask is None:
+            mask = int.from_bytes(kind + kind)
+            if len(self._kinds) < 4096:  # kinds are few; bound the cache anyway
+                self._kinds[kind] = mask
+        x = (int.from_bytes(key[-DIGEST_BYTES:]) ^ mask).to_bytes(DIGEST_BYTES)
+        index = int.from_bytes(x[1:4]) % self.buckets_per_tag
+        head = key[:-_TAIL_BYTES]
+        return [b"%sm%s:%d" % (head, g, index) for g in generations], x[4 : 4 + self.field_bytes]
+
+    def collision_chance(self, saved: float, new: float) -> float:
+        """The chance that any of ``new`` values is taken for one of ``saved`` ones."""
+        return saved * new / 2.0**self.guaranteed_bits

@@ -4,9 +4,20 @@ Each script runs atomically on the server, so "already saved?" and "take the
 lease" are one step, and so are "mark saved" and "drop the lease"; done as
 separate commands they leave a window in which a second writer slips through.
 
-Key states: absent -> leased (value: the claimant's token, with a PX expiry)
--> saved (value: ``"1"``, no expiry unless a retention is set). Tokens are never
-``"1"``.
+A value's lease is always its own key (from :meth:`dedup.keys.KeySpace.key`):
+absent -> leased (value: the claimant's token, with a PX expiry). Where "saved" is
+recorded depends on the layout:
+
+* ``keys`` (the layout before issue 12; :data:`CLAIM`, :data:`COMMIT`): the lease
+  key itself becomes ``"1"`` (no expiry unless a retention is set);
+* ``compact`` (the default; :data:`CLAIM_COMPACT`, :data:`COMMIT_COMPACT`): a field of
+  a hash bucket (:class:`dedup.keys.MarkerLayout`), and the lease key is deleted;
+* approximate (:data:`CLAIM_BLOOM`, :data:`COMMIT_BLOOM`): ``k`` bits of a Bloom
+  filter (:class:`dedup.bloom.BloomLayout`), and the lease key is deleted.
+
+The compact and approximate claims also answer "saved" for a ``"1"`` under the lease
+key, so markers written in the old layout keep counting. Tokens are never ``"1"``.
+:data:`ABORT` serves every layout.
 """
 
 from __future__ import annotations
@@ -19,7 +30,17 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-__all__ = ["ABORT", "CLAIM", "COMMIT", "SAVED_MARKER", "Script"]
+__all__ = [
+    "ABORT",
+    "CLAIM",
+    "CLAIM_BLOOM",
+    "CLAIM_COMPACT",
+    "COMMIT",
+    "COMMIT_BLOOM",
+    "COMMIT_COMPACT",
+    "SAVED_MARKER",
+    "Script",
+]
 
 SAVED_MARKER = b"1"
 
@@ -63,6 +84,140 @@ for _, key in ipairs(KEYS) do
     redis.call('SET', key, '1', 'PX', keep)
   else
     redis.call('SET', key, '1')
+  end
+end
+return held
+"""
+
+# The lease part of the compact and approximate claims, once "saved?" answered no.
+_LEASE = """
+    local key = KEYS[i]
+    local v = redis.call('GET', key)
+    if not v then
+      redis.call('SET', key, token, 'PX', lease)
+      out[i] = 'W'
+    elseif v == '1' then
+      out[i] = 'S'
+    elseif v == token then
+      redis.call('PEXPIRE', key, lease)
+      out[i] = 'W'
+    else
+      out[i] = 'B'
+    end"""
+
+CLAIM_COMPACT = (
+    """
+-- KEYS: the lease keys of one batch (n, each at most once), then for each value in
+--   order its marker bucket in each of the g generations read, newest first (n*g)
+-- ARGV[1]: the claimant's token; ARGV[2]: the lease in milliseconds; ARGV[3]: g;
+--   ARGV[3+i]: the marker field of value i
+-- Returns: one letter per value, in order: S = already saved (its field is in one of
+--   its buckets, or its lease key holds an old-layout "1"), W = won (lease set, or
+--   extended because the token is already ours), B = busy (another claimant's lease)
+local token, lease, g = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local n = #ARGV - 3
+local out = {}
+for i = 1, n do
+  local field, saved = ARGV[3 + i], false
+  local base = n + (i - 1) * g
+  for j = 1, g do
+    if redis.call('HEXISTS', KEYS[base + j], field) == 1 then
+      saved = true
+      break
+    end
+  end
+  if saved then
+    out[i] = 'S'
+  else"""
+    + _LEASE
+    + """
+  end
+end
+return table.concat(out)
+"""
+)
+
+COMMIT_COMPACT = """
+-- KEYS: the lease keys whose rows are committed (n), then each value's marker bucket
+--   in the current generation (n)
+-- ARGV[1]: the committer's token; ARGV[2]: when the current generation's buckets
+--   expire, Unix time in ms, 0 = never; ARGV[2+i]: the marker field of value i
+-- Returns: how many of the lease keys still held the committer's lease
+-- The row is durable, so the value becomes "saved" whoever holds the lease now (a lost
+-- lease is not an error) and the lease key goes: another claimant's lease, or an
+-- old-layout "1", which the field now replaces. The field is set before the lease key
+-- goes, so a failure in between leaves a lease that expires, never a gap.
+local token, at = ARGV[1], tonumber(ARGV[2])
+local n = #KEYS / 2
+local held = 0
+for i = 1, n do
+  local key, bucket = KEYS[i], KEYS[n + i]
+  if redis.call('GET', key) == token then held = held + 1 end
+  redis.call('HSET', bucket, ARGV[2 + i], '1')
+  redis.call('DEL', key)
+  if at > 0 and redis.call('PTTL', bucket) < 0 then
+    redis.call('PEXPIREAT', bucket, at)
+  end
+end
+return held
+"""
+
+CLAIM_BLOOM = (
+    """
+-- KEYS: the lease keys of one batch (n, each at most once), then for each value in
+--   order its Bloom partition in each of the g generations read, newest first (n*g)
+-- ARGV[1]: the claimant's token; ARGV[2]: the lease in milliseconds; ARGV[3]: g;
+--   ARGV[4]: k, bits per value; ARGV[4+(i-1)*k+j]: bit offset j of value i
+-- Returns: one letter per value, in order: S = probably saved (all its k bits set in
+--   one generation; nothing written) or saved in the old layout ("1" under its lease
+--   key), W = won (lease set or extended), B = busy (another claimant's lease)
+local token, lease = ARGV[1], ARGV[2]
+local g, k = tonumber(ARGV[3]), tonumber(ARGV[4])
+local n = (#ARGV - 4) / k
+local out = {}
+for i = 1, n do
+  local bits, seen = 4 + (i - 1) * k, false
+  for j = 1, g do
+    local part = KEYS[n + (i - 1) * g + j]
+    seen = true
+    for b = 1, k do
+      if redis.call('GETBIT', part, ARGV[bits + b]) == 0 then
+        seen = false
+        break
+      end
+    end
+    if seen then break end
+  end
+  if seen then
+    out[i] = 'S'
+  else"""
+    + _LEASE
+    + """
+  end
+end
+return table.concat(out)
+"""
+)
+
+COMMIT_BLOOM = """
+-- KEYS: the lease keys whose rows are committed (n), then each value's Bloom
+--   partition in the current generation (n)
+-- ARGV[1]: the committer's token; ARGV[2]: when the current generation's partitions
+--   expire, Unix time in ms, 0 = never; ARGV[3]: k; ARGV[3+(i-1)*k+j]: bit j of value i
+-- Returns: how many of the lease keys still held the committer's lease
+local token, at, k = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local n = #KEYS / 2
+local held = 0
+for i = 1, n do
+  local key, part = KEYS[i], KEYS[n + i]
+  if redis.call('GET', key) == token then held = held + 1 end
+  local bits = 3 + (i - 1) * k
+  for b = 1, k do
+    redis.call('SETBIT', part, ARGV[bits + b], 1)
+  end
+  redis.call('DEL', key)
+  if at > 0 and redis.call('PTTL', part) < 0 then
+    redis.call('PEXPIREAT', part, at)
   end
 end
 return held

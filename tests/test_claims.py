@@ -1,0 +1,328 @@
+"""The claim protocol on a real redis-server: the compact default layout, the old one,
+retention by generations, Redis Cluster, and a Redis that cannot take writes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import (
+    ConnectionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
+
+from dedup.claims import Claims, probe_write, unwritable_reason
+from dedup.errors import ConfigError
+from dedup.keys import KeySpace, MarkerLayout, digest
+from dedup.metrics import Stats
+from tests.servers import RedisServer
+from tests.test_cluster import cluster  # noqa: F401 (the fixture)
+
+SPACE = KeySpace("dedup")
+
+
+def keys_of(*values: str, kind: str = "email", space: KeySpace = SPACE) -> list[bytes]:
+    return [space.key(kind, digest(v)) for v in values]
+
+
+def claims(client: Any, **kwargs: Any) -> Claims:
+    kwargs.setdefault("retention_ms", 0)
+    return Claims(client, lease_ms=kwargs.pop("lease_ms", 10_000), stats=Stats(), **kwargs)
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[Redis]:
+    rds = Redis.from_url(redis_url)
+    yield rds
+    await rds.aclose()
+
+
+async def until(check: Any, deadline_s: float = 15.0) -> None:
+    """Poll the async ``check`` until it is true, within a generous deadline."""
+    end = time.monotonic() + deadline_s
+    while not await check():
+        assert time.monotonic() < end, "not reached within the deadline"
+        await asyncio.sleep(0.05)
+
+
+# ------------------------------------------------------------------ compact layout
+
+
+async def test_compact_claim_commit_abort(client: Redis) -> None:
+    one, two = claims(client), claims(client)
+    assert one.layout == "compact"
+    keys = keys_of(*(f"v{i}" for i in range(6)))
+    assert await one.claim(keys) == "WWWWWW"
+    assert await one.claim(keys) == "WWWWWW"  # our own leases: extended, not busy
+    assert await two.claim(keys) == "BBBBBB"
+    assert await one.commit(keys[:3]) == 3
+    assert await one.abort(keys[3:5]) == 2
+    assert await two.claim(keys) == "SSSWWB"
+    # Saved values live in buckets, not under their lease keys.
+    assert await client.exists(*keys[:3]) == 0
+    layout = MarkerLayout()
+    for key in keys[:3]:
+        (bucket,), field = layout.locate(key)
+        assert await client.hget(bucket, field) == b"1"
+        assert await client.object("encoding", bucket) == b"listpack"
+        assert await client.pttl(bucket) == -1  # no retention: no expiry
+    # The stranger's commit of a value we still lease: saved all the same.
+    assert await two.commit(keys[5:]) == 0
+    assert await one.claim(keys) == "SSSBBS"  # 3 and 4: the stranger's leases now
+    assert await client.exists(keys[5]) == 0
+
+
+async def test_compact_retries_are_safe(client: Redis) -> None:
+    gw = claims(client)
+    keys = keys_of("a", "b")
+    assert await gw.claim(keys) == "WW"
+    assert await gw.commit(keys) == 2
+    assert await gw.commit(keys) == 0  # a retried commit: still saved, nothing held
+    assert await gw.claim(keys) == "SS"
+    assert await gw.abort(keys) == 0  # an abort after the commit removes nothing
+    assert await gw.claim(keys) == "SS"
+
+
+async def test_a_lease_expires(client: Redis) -> None:
+    gw, other = claims(client, lease_ms=300), claims(client)
+    keys = keys_of("slow")
+    assert await gw.claim(keys) == "W"
+    assert await other.claim(keys) == "B"
+
+    async def taken() -> bool:
+        return await other.claim(keys) == "W"
+
+    await until(taken)
+    assert await gw.commit(keys) == 0  # the first writer lost its lease
+    assert await other.claim(keys) == "S"
+
+
+async def test_values_saved_in_the_old_layout_stay_saved(client: Redis) -> None:
+    """An upgrade needs no migration: the compact claim reads old "1" markers."""
+    old, new = claims(client, layout="keys"), claims(client)
+    keys = keys_of(*(f"old{i}" for i in range(50)))
+    assert await old.claim(keys) == "W" * 50
+    assert await old.commit(keys) == 50
+    assert set(await client.mget(keys)) == {b"1"}
+    assert await new.claim(keys) == "S" * 50  # nothing is created twice
+    # A rolling upgrade: an old gateway sees a new gateway's lease as busy...
+    fresh = keys_of("mixed")
+    assert await new.claim(fresh) == "W"
+    assert await old.claim(fresh) == "B"
+    # ...and a value the new one saved as new (the database's unique key has the last
+    # word for the old gateway, which no longer sees it in Redis).
+    assert await new.commit(fresh) == 1
+    assert await old.claim(fresh) == "W"
+    assert await old.commit(fresh) == 1  # writes an old marker...
+    assert await new.claim(fresh) == "S"  # ...which reads as saved too
+    # A commit moves an old marker into the bucket.
+    assert await new.commit(keys[:1]) == 0
+    assert await client.exists(keys[0]) == 0
+    assert await new.claim(keys[:1]) == "S"
+
+
+async def test_old_layout_unchanged(client: Redis) -> None:
+    gw = claims(client, layout="keys", retention_ms=60_000)
+    keys = keys_of("x", "y")
+    assert await gw.claim(keys) == "WW"
+    assert await gw.commit(keys[:1]) == 1
+    assert await client.get(keys[0]) == b"1"
+    assert 0 < await client.pttl(keys[0]) <= 60_000
+    assert await gw.abort(keys[1:]) == 1
+    assert await client.exists(keys[1]) == 0
+
+
+def test_bad_layouts_are_refused() -> None:
+    client = Redis()
+    with pytest.raises(ValueError, match="layout"):
+        claims(client, layout="sparse")
+    with pytest.raises(ValueError, match="marker_generations"):
+        claims(client, marker_generations=1)
+
+
+# ------------------------------------------------------------------------ retention
+
+
+async def test_retention_expires_whole_generations(client: Redis) -> None:
+    gw = claims(client, retention_ms=400)
+    keys = keys_of(*(f"r{i}" for i in range(20)))
+    assert await gw.claim(keys) == "W" * 20
+    committed = time.monotonic()
+    assert await gw.commit(keys) == 20
+    assert await gw.claim(keys) == "S" * 20
+    reads, expire_at = gw.generations()
+    assert len(reads) == 2 and int(reads[0]) == int(reads[1]) + 1
+    layout = gw.markers
+    buckets = {layout.locate(k, reads[:1])[0][0] for k in keys}
+    # Every bucket of the generation expires whole, at one moment.
+    for bucket in buckets:
+        assert await client.pexpiretime(bucket.decode()) == expire_at
+
+    async def forgotten() -> bool:
+        return await gw.claim(keys) == "W" * 20
+
+    await until(forgotten)
+    # Kept at least the retention (400 ms), and read for at most two generations.
+    assert time.monotonic() - committed >= 0.4
+    assert await gw.commit(keys) == 20
+    assert await gw.claim(keys) == "S" * 20
+
+    async def gone() -> bool:
+        return not [k async for k in client.scan_iter(match=b"dedup:m*")]
+
+    await until(gone)  # buckets expired by Redis itself: memory is returned
+
+
+def test_generations_cover_the_retention() -> None:
+    gw = claims(Redis(), retention_ms=3_600_000, marker_generations=3)
+    reads, expire_at = gw.generations(now_ms=10 * 1_800_000 + 5)
+    assert reads == [b"10", b"9", b"8"]
+    # Readers stop reading generation 10 at (10 + 3) * period; a minute of allowance.
+    assert expire_at == 13 * 1_800_000 + 60_000
+    assert claims(Redis()).generations() == ([b""], 0)
+
+
+# -------------------------------------------------------------------------- cluster
+
+
+async def test_compact_layout_on_a_cluster(cluster: list[RedisServer]) -> None:  # noqa: F811
+    rc = RedisCluster(host="127.0.0.1", port=cluster[0].port)
+    try:
+        space = KeySpace("dedup", cluster_shards=16)
+        stats = Stats()
+        one = Claims(rc, lease_ms=10_000, retention_ms=60_000, stats=stats, cluster_shards=16)
+        two = Claims(rc, lease_ms=10_000, retention_ms=60_000, stats=Stats(), cluster_shards=16)
+        keys = keys_of(*(f"c{i}" for i in range(600)), space=space)
+        assert await one.claim(keys) == "W" * 600
+        assert stats.redis_round_trips <= 3 * 16  # one call per hash tag (3: script loads)
+        assert await two.claim(keys) == "B" * 600
+        assert await one.commit(keys[:400]) == 400
+        assert await two.claim(keys) == "S" * 400 + "B" * 200
+        assert await one.abort(keys[400:]) == 200
+        assert await two.claim(keys) == "S" * 400 + "W" * 200
+        # Untagged keys cannot share a slot with their buckets: refused, not CROSSSLOT.
+        with pytest.raises(ConfigError, match="hash-tagged"):
+            await one.claim(keys_of("plain", "keys", "here"))
+        await probe_write(rc, "dedup")
+    finally:
+        await rc.aclose()
+
+
+# ------------------------------------------------------- a Redis that cannot write
+
+
+def test_unwritable_reason_reads_redis_py_errors() -> None:
+    assert unwritable_reason(OutOfMemoryError("command not allowed")) == "oom"
+    assert unwritable_reason(ReadOnlyError("You can't write against a read only replica.")) == (
+        "readonly"
+    )
+    misconf = ResponseError("MISCONF Redis is configured to save RDB snapshots, but ...")
+    assert unwritable_reason(misconf) == "misconf"
+    # Wrapped, as an engine raising its own error from the Redis one would.
+    try:
+        try:
+            raise misconf
+        except ResponseError as exc:
+            raise RuntimeError("Redis failed a claim") from exc
+    except RuntimeError as outer:
+        assert unwritable_reason(outer) == "misconf"
+    assert unwritable_reason(ConnectionError("refused")) is None
+    assert unwritable_reason(ResponseError("WRONGTYPE Operation against a key")) is None
+    assert unwritable_reason(ValueError("no")) is None
+
+
+async def test_a_full_redis(fresh_redis: RedisServer) -> None:
+    rds = Redis.from_url(fresh_redis.url)
+    try:
+        gw = claims(rds)
+        saved = keys_of("before")
+        assert await gw.claim(saved) == "W" and await gw.commit(saved) == 1
+        used = (await rds.info("memory"))["used_memory"]
+        await rds.config_set("maxmemory", used + 400_000)
+        with pytest.raises(OutOfMemoryError) as full:  # filled up as traffic would
+            for i in range(10_000):
+                await rds.set(f"filler:{i}", "x" * 1000)
+        assert unwritable_reason(full.value) == "oom"
+        # The refused SET's own 1 kB query buffer tipped the balance; freed, it leaves
+        # the server just under its limit, where a tiny write passes. Use past the
+        # limit, as when other keys keep growing: nothing but a read passes then.
+        used = (await rds.info("memory"))["used_memory"]
+        await rds.config_set("maxmemory", used - 100_000)
+        with pytest.raises(RedisError) as probe:
+            await probe_write(rds, "dedup")
+        assert unwritable_reason(probe.value) == "oom"
+        with pytest.raises(RedisError) as claim:
+            await gw.claim(keys_of("new"))
+        assert unwritable_reason(claim.value) == "oom"
+        assert await gw.claim(saved) == "S"  # answering "saved" needs no write
+        await rds.config_set("maxmemory", 0)  # memory freed (here: the limit lifted)
+        await probe_write(rds, "dedup")
+        assert await gw.claim(keys_of("new")) == "W"
+        assert [k async for k in rds.scan_iter(match="dedup:probe:*")] == []
+    finally:
+        await rds.aclose()
+
+
+async def test_a_read_only_replica(fresh_redis: RedisServer) -> None:
+    with RedisServer() as primary:
+        rds = Redis.from_url(fresh_redis.url)
+        try:
+            await probe_write(rds, "dedup")
+            await rds.replicaof(primary.host, primary.port)
+            with pytest.raises(RedisError) as probe:
+                await probe_write(rds, "dedup")
+            assert unwritable_reason(probe.value) == "readonly"
+            with pytest.raises(RedisError) as claim:
+                await claims(rds).claim(keys_of("new"))
+            assert unwritable_reason(claim.value) == "readonly"
+            assert await rds.ping()  # a PING would have said all is well
+            await rds.replicaof("NO", "ONE")
+            await probe_write(rds, "dedup")
+        finally:
+            await rds.aclose()
+
+
+async def test_failing_snapshots(fresh_redis: RedisServer) -> None:
+    """MISCONF, provoked for real: a BGSAVE whose rename onto dump.rdb fails (a
+    directory holds the name), with a save point and stop-writes-on-bgsave-error."""
+    rds = Redis.from_url(fresh_redis.url)
+    blocker = fresh_redis.dir / "dump.rdb"
+    try:
+        await rds.config_set("stop-writes-on-bgsave-error", "yes")
+        await rds.config_set("save", "3600 1")
+        blocker.mkdir()
+        await rds.bgsave()
+
+        async def failed() -> bool:
+            info = await rds.info("persistence")
+            done = info["rdb_bgsave_in_progress"] == 0
+            return bool(done and info["rdb_last_bgsave_status"] == "err")
+
+        await until(failed)
+        with pytest.raises(RedisError) as probe:
+            await probe_write(rds, "dedup")
+        assert unwritable_reason(probe.value) == "misconf"
+        with pytest.raises(RedisError) as claim:
+            await claims(rds).claim(keys_of("new"))
+        assert unwritable_reason(claim.value) == "misconf"
+        blocker.rmdir()
+        await rds.bgsave()
+
+        async def writable() -> bool:
+            try:
+                await probe_write(rds, "dedup")
+            except ResponseError:
+                return False
+            return True
+
+        await until(writable)
+    finally:
+        await rds.aclose()
