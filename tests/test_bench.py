@@ -1,4 +1,4 @@
-"""``dedup bench --quick`` on tiny sizes: its table and JSON (behaviour, never timings)."""
+"""``dedup bench`` on tiny sizes: its plan, table and JSON (behaviour, never timings)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,40 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import asyncpg
+import pytest
 import redis
+
+from dedup import bench
+from dedup.errors import DedupError
+from tests.servers import PostgresCluster, RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-async def test_bench_quick_runs_every_strategy(redis_url: str, pg_url: str, tmp_path: Path) -> None:
+def _check_run(r: dict[str, Any]) -> None:
+    """The invariants of every run, whatever its strategy and shape."""
+    assert r["passed"] and r["rows"] == r["unique"] == r["created"], r
+    assert r["errors"] == 0, r
+    assert 0 <= r["p50_ms"] <= r["p99_ms"] <= r["max_ms"], r
+    assert r["gateway_cpu_s"] > 0 and r["gateway_cpu_us_per_request"] > 0, r
+    assert r["gateway_cpu_us_per_unique"] >= r["gateway_cpu_us_per_request"], r
+    assert r["rps"] > 0 and r["seconds"] > 0, r
+    assert r["db_statements"] >= 1 and r["db_server_xacts"] >= 1, r
+    assert r["rows_sent"] >= r["unique"], r
+    if r["strategy"] == "dedup":
+        assert r["rows_sent"] == r["unique"], r  # no duplicate ever reached the database
+    if r["strategy"] == "db-only":
+        assert r["redis_round_trips"] == r["redis_server_calls"] == 0, r
+    if r["strategy"] == "textbook":
+        assert r["redis_round_trips"] >= r["requests"], r  # at least one per request
+
+
+async def test_bench_cli_runs_every_strategy_and_shape(
+    redis_url: str, pg_url: str, tmp_path: Path
+) -> None:
     client = redis.Redis.from_url(redis_url)
     try:
         client.set("someone-elses-key", "stays")
@@ -28,30 +54,44 @@ async def test_bench_quick_runs_every_strategy(redis_url: str, pg_url: str, tmp_
         await conn.close()
 
     run = subprocess.run(
-        [sys.executable, "-m", "dedup", "bench", "--quick", "--requests", "3000",
+        [sys.executable, "-m", "dedup", "bench", "--quick", "--requests", "2000",
+         "--strategies", "textbook,redis-lock,db-only,dedup", "--processes", "1,2",
+         "--concurrency", "8,16", "--rate", "4000", "--outstanding", "32",
          "--redis-url", redis_url, "--database-url", pg_url, "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+        cwd=ROOT, capture_output=True, text=True, timeout=170, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.splitlines()[-1] == "rows == unique values for every run: PASS"
+    lines = run.stdout.splitlines()
+    assert lines[-1] == "rows == unique values for every run: PASS"
+    for heading in ("req/s", "p99 ms", "xact/uniq", "rows/uniq", "cpu us/uniq", "pg cpu"):
+        assert heading in lines[0]
     report = json.loads((tmp_path / "bench.json").read_text())
     runs = report["runs"]
-    singles = {(r["workload"], r["strategy"]) for r in runs if r["processes"] == 1}
-    assert singles == {
-        (w, s) for w in ("zipf", "uniform") for s in ("textbook", "redis-lock", "db-only", "dedup")
+    shapes = {
+        (r["workload"], r["strategy"], r["processes"], r["concurrency"], r["rate"]) for r in runs
     }
-    assert {(r["strategy"], r["processes"]) for r in runs if r["processes"] > 1} == {
-        ("db-only", 2),
-        ("dedup", 2),
+    assert shapes == {
+        *(("zipf", s, 1, 8, None) for s in ("textbook", "redis-lock")),
+        *(("zipf", s, n, 8, None) for s in ("db-only", "dedup") for n in (1, 2)),
+        *(("zipf", s, 1, 16, None) for s in ("db-only", "dedup")),
+        *(("zipf", s, n, 32, 4000.0) for s in ("db-only", "dedup") for n in (1, 2)),
+        *(("uniform", s, 1, 8, None) for s in bench.STRATEGIES),
+        *(("uniform", s, 1, 16, None) for s in ("db-only", "dedup")),
     }
+    assert len(runs) == len(shapes) == len(bench.plan(bench.config_from_flags(
+        quick=True, requests=2000, strategies="textbook,redis-lock,db-only,dedup",
+        processes="1,2", concurrency="8,16", rate="4000", outstanding=32,
+    )))  # fmt: skip
     for r in runs:
-        assert r["passed"] and r["rows"] == r["unique"] == r["created"], r
-        if r["strategy"] == "dedup":
-            assert r["rows_sent"] == r["unique"]  # no duplicate ever reached the database
-            if r["processes"] == 1:  # the client's count is what the server saw
-                assert r["redis_round_trips"] == r["redis_server_calls"], r
-        if r["strategy"] == "textbook" and r["processes"] == 1:
-            assert r["redis_round_trips"] >= r["requests"]  # at least one per request
+        _check_run(r)
+        assert r["requests"] == 2000
+        # URLs were given: the bench did not start the servers, so it cannot tell their CPU.
+        assert r["redis_cpu_s"] is None and r["pg_cpu_s"] is None
+        if r["strategy"] == "dedup" and r["processes"] == 1:
+            # The client's count is what the server saw (one process, nobody else), give
+            # or take the per-connection setup (script loads, a subscription).
+            client, server = r["redis_round_trips"], r["redis_server_calls"]
+            assert abs(client - server) <= 10 + 0.02 * server, r
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert report["memory"]["redis_bytes_per_saved_value"] > 0
     assert report["ceilings"]["bulk_copy_rows_per_s"] > 0
@@ -67,3 +107,88 @@ async def test_bench_quick_runs_every_strategy(redis_url: str, pg_url: str, tmp_
         assert await conn.fetchval("SELECT count(*) FROM dedup_items WHERE kind = 'bench'") == 0
     finally:
         await conn.close()
+
+
+def test_bench_reads_the_servers_cpu_when_it_knows_their_pids(
+    redis_server: RedisServer, pg_cluster: PostgresCluster, pg_url: str, tmp_path: Path
+) -> None:
+    """Multi-process closed and open loops, with the servers' PIDs: CPU of all three."""
+    cfg = bench.BenchConfig(
+        requests=4000, concurrency=(16,), processes=(2,), workloads=("zipf",),
+        rates=(8000.0,), outstanding=64, zipf_values=20_000, memory_values=2000,
+    )  # fmt: skip
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    report = bench.run_bench(
+        cfg,
+        redis_url=redis_server.url,
+        pg_url=pg_url,
+        redis_port=redis_server.port,
+        out_dir=tmp_path,
+        log=lambda line: None,
+        pids=bench.ServerPids(redis_server.pid, pg_cluster.pid),
+    )
+    runs = report["runs"]
+    assert [(r["strategy"], r["processes"], r["rate"]) for r in runs] == [
+        ("db-only", 2, None), ("dedup", 2, None), ("db-only", 2, 8000.0), ("dedup", 2, 8000.0),
+    ]  # fmt: skip
+    for r in runs:
+        _check_run(r)
+        assert r["pg_cpu_s"] > 0, r  # every run inserts its rows
+        assert r["redis_cpu_s"] >= 0, r
+    assert sum(r["redis_cpu_s"] for r in runs if r["strategy"] == "dedup") > 0
+    table = bench.format_table(report)
+    assert len(table.splitlines()) >= 2 + len(runs)
+    assert (tmp_path / "bench.json").exists()
+
+
+def test_default_plan_holds_the_fleet_and_the_target_rows() -> None:
+    runs = bench.plan(bench.BenchConfig())
+    shapes = [(r.workload, r.strategy, r.processes, r.concurrency, r.rate) for r in runs]
+    assert shapes == [
+        *(("zipf", s, n, 256, None) for n in (1, 4, 8, 16) for s in ("db-only", "dedup")),
+        ("zipf", "db-only", 1, 1024, None),
+        ("zipf", "dedup", 1, 1024, None),
+        *(("uniform", s, 1, c, None) for c in (256, 1024) for s in ("db-only", "dedup")),
+    ]
+    assert bench.BenchConfig().requests == 1_000_000
+    with_rate = bench.plan(bench.config_from_flags(rate="200k", processes="1,8"))
+    opened = [(r.processes, r.concurrency, r.rate) for r in with_rate if r.rate is not None]
+    assert opened == [(1, 4096, 200_000.0)] * 2 + [(8, 4096, 200_000.0)] * 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"requests": 0}, "--requests"),
+        ({"processes": "1,x"}, "--processes"),
+        ({"processes": "0"}, "--processes"),
+        ({"workloads": "zipf,normal"}, "--workloads"),
+        ({"strategies": "dedup,fast"}, "--strategies"),
+        ({"rate": "-5"}, "--rate"),
+        ({"rate": "nan"}, "--rate"),
+        ({"concurrency": "4", "processes": "1,8"}, "--concurrency"),
+        ({"outstanding": 0}, "--outstanding"),
+    ],
+)
+def test_flags_that_make_no_sense_are_refused(flags: dict[str, Any], message: str) -> None:
+    with pytest.raises(DedupError, match=message):
+        bench.config_from_flags(**flags)
+
+
+def test_percentiles_are_of_the_merged_latencies() -> None:
+    """Issue 14: a fleet's p99 is the p99 of all its requests, not its worst process's."""
+    one = [0.001] * 1000
+    other = [0.001] * 985 + [0.050] * 15  # this process alone: p99 50 ms
+    assert bench._percentiles(other)["p99_ms"] == pytest.approx(50.0)
+    merged = bench._percentiles(one + other)  # 15 slow of 2,000 is under 1 %
+    assert merged == {
+        "p50_ms": pytest.approx(1.0),
+        "p99_ms": pytest.approx(1.0),
+        "max_ms": pytest.approx(50.0),
+    }
+    assert bench._percentiles([0.001] * 980 + [0.1] * 20)["p99_ms"] == pytest.approx(100.0)
+    assert bench._percentiles([]) == {"p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
