@@ -11,10 +11,11 @@ the circuit first closes, so an unsafe Redis is never used, even if it comes up 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -33,6 +34,14 @@ from dedup.urls import embedded_sqlite_url, redact
 __all__ = ["Backends"]
 
 log = logging.getLogger("dedup")
+
+
+class _Reports(Protocol):
+    """Where a Redis call's outcome is reported (:class:`dedup._degraded.DegradedMode`)."""
+
+    def redis_failed(self, exc: BaseException, *, may_time_out: bool = True) -> bool: ...
+
+    def success(self) -> None: ...
 
 
 class Backends:
@@ -146,6 +155,35 @@ class Backends:
                 "evict them too). Set `maxmemory-policy noeviction` or pass allow_eviction=True."
             )
         self.eviction_checked = True
+
+    async def ping(self, timeout_s: float, breaker: _Reports) -> dict[str, bool]:
+        """A PING to Redis and an index probe of the default sink, at once, each bounded
+        by ``timeout_s``; never raises. Redis's answer is reported to ``breaker``."""
+
+        async def redis_ok() -> bool:
+            if self.redis is None:
+                return False
+            try:
+                await asyncio.wait_for(self.redis.ping(), timeout_s)
+            except (RedisError, OSError, TimeoutError) as exc:
+                # A failed readiness PING counts like a failed call (never as a timeout
+                # of redis_timeout_s): an idle gateway still learns that Redis is gone.
+                breaker.redis_failed(exc, may_time_out=False)
+                return False
+            breaker.success()
+            return True
+
+        async def database_ok() -> bool:
+            if self.default_sink is None:
+                return self.sink is not None
+            try:
+                await asyncio.wait_for(self.default_sink.count(()), timeout_s)
+            except Exception:  # any failure of the probe means "cannot serve now"
+                return False
+            return True
+
+        redis_up, database_up = await asyncio.gather(redis_ok(), database_ok())
+        return {"redis": redis_up, "database": database_up}
 
     async def aclose(self) -> None:
         """Close every part opened, in reverse order, each even if an earlier one failed."""

@@ -30,10 +30,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError
-
 from dedup import _embed
 from dedup._backends import Backends
 from dedup._engine import Engine
@@ -345,7 +341,8 @@ class Gateway:
 
         For demos and tests that must start empty; never needed in normal use.
         """
-        sink, client = self._require_default_sink(), self._require_redis()
+        sink, client = self._require_default_sink(), self._backends.redis
+        assert client is not None  # open with the default sink: Redis is connected
         if self.pending:
             raise DedupError("purge needs a quiet Gateway: saves are in flight")
         await unlink_matching(client, self._keys.match_pattern)
@@ -364,35 +361,10 @@ class Gateway:
         the default sink. A custom sink is not probed (``"database"`` is True).
         A closed Gateway answers False for both. Never raises for an unreachable server.
         """
-
-        async def redis_ok() -> bool:
-            client, engine = self._backends.redis, self._engine
-            if client is None or engine is None or self._state != "open":
-                return False
-            try:
-                await asyncio.wait_for(client.ping(), timeout_s)
-            except (RedisError, OSError, TimeoutError) as exc:
-                # A failed readiness PING counts like a failed call (never as a timeout
-                # of redis_timeout_s): an idle gateway still learns that Redis is gone.
-                engine.degraded.redis_failed(exc, may_time_out=False)
-                return False
-            engine.degraded.success()
-            return True
-
-        async def database_ok() -> bool:
-            if self._state != "open":
-                return False
-            sink = self._backends.default_sink
-            if sink is None:
-                return self._backends.sink is not None
-            try:
-                await asyncio.wait_for(sink.count(()), timeout_s)
-            except Exception:  # any failure of the probe means "cannot serve now"
-                return False
-            return True
-
-        redis_up, database_up = await asyncio.gather(redis_ok(), database_ok())
-        return {"redis": redis_up, "database": database_up}
+        engine = self._engine
+        if self._state != "open" or engine is None:
+            return {"redis": False, "database": False}
+        return await self._backends.ping(timeout_s, engine.degraded)
 
     # ----------------------------------------------------------------- internals
 
@@ -424,8 +396,3 @@ class Gateway:
         if self._backends.default_sink is None or self._state != "open":
             raise DedupError("this needs an open Gateway with the default sink")
         return self._backends.default_sink
-
-    def _require_redis(self) -> Redis | RedisCluster:
-        if self._backends.redis is None or self._state != "open":
-            raise DedupError("the Gateway is not open")
-        return self._backends.redis
