@@ -201,8 +201,29 @@ async def test_waiters_are_bounded_by_wait_timeout(redis_url: str, pg_url: str) 
             await waiter_gw.once("job")(slow)("v")
         release.set()
         assert await asyncio.wait_for(runner, DEADLINE_S) == "done"
-        # The runner's lease was renewed while it ran (it outlived lease_ms): no takeover.
         assert await waiter_gw.once("job")(slow)("v") == "done"
+
+
+async def test_the_lease_is_renewed_while_the_function_runs(redis_url: str, pg_url: str) -> None:
+    runs = 0
+    async with (
+        Gateway(redis_url, pg_url, lease_ms=300) as runner_gw,
+        Gateway(redis_url, pg_url, lease_ms=300) as other_gw,
+    ):
+
+        async def long(value: str) -> int:
+            nonlocal runs
+            runs += 1
+            await asyncio.sleep(1.5)  # five leases long: only renewals keep it
+            return runs
+
+        first = asyncio.ensure_future(runner_gw.once("job")(long)("v"))
+        async with asyncio.timeout(DEADLINE_S):
+            while runs == 0:
+                await asyncio.sleep(0.01)
+        # Another process asks all along: it waits, and never takes the value over.
+        second = await asyncio.wait_for(other_gw.once("job")(long)("v"), DEADLINE_S)
+        assert (await asyncio.wait_for(first, DEADLINE_S), second, runs) == (1, 1, 1)
 
 
 async def test_degraded_gateway_refuses_rather_than_run_twice(
