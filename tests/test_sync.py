@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -222,7 +223,9 @@ def test_closed_and_forked_child_get_a_clear_error(redis_url: str, pg_url: str) 
             os._exit(0)
         os.close(write_end)
         with os.fdopen(read_end, "rb") as pipe:
-            message_seen = pipe.read().decode()
+            readable, _, _ = select.select([pipe], [], [], DEADLINE_S)
+            assert readable, "the forked child did not answer"
+            message_seen = pipe.read().decode()  # the child wrote once and exited
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert "fork()" in message_seen and "open a new SyncGateway" in message_seen
