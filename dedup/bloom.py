@@ -76,7 +76,9 @@ class BloomLayout:
         tags = max(1, cluster_shards)
         per_tag = -(-self.m // tags)
         self.parts_per_tag = max(1, -(-per_tag // max_partition_bits))
-        self.partition_bits = max(64, -(-per_tag // self.parts_per_tag))
+        # Whole bytes: a partition is created as a zero-filled string of its size.
+        bits = -(-per_tag // self.parts_per_tag)
+        self.partition_bits = max(64, (bits + 7) // 8 * 8)
 
     def locate(
         self, key: bytes, generations: Sequence[bytes] = (b"",)

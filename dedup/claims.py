@@ -314,7 +314,7 @@ class Claims:
                 all_keys.append(buckets[0])
                 args.append(field)
         else:
-            args.append(bloom.k)
+            args.extend((bloom.k, bloom.partition_bits // 8))
             for key in keys:
                 parts, bits = bloom.locate(key, now)
                 all_keys.append(parts[0])

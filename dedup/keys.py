@@ -236,7 +236,14 @@ class MarkerLayout:
     bytes, so together they hold ``guaranteed_bits`` >= :data:`MARKER_BITS` bits.
     """
 
-    __slots__ = ("_kinds", "buckets_per_tag", "field_bytes", "guaranteed_bits")
+    __slots__ = (
+        "_field_mask",
+        "_kinds",
+        "_shift",
+        "buckets_per_tag",
+        "field_bytes",
+        "guaranteed_bits",
+    )
 
     def __init__(self, *, marker_buckets: int = DEFAULT_MARKER_BUCKETS, cluster_shards: int = 0):
         if not 1 <= marker_buckets <= _MAX_BUCKETS_PER_TAG:
@@ -252,6 +259,8 @@ class MarkerLayout:
             name_bits += tags.bit_length() - 1
         self.field_bytes = min(12, -(-(MARKER_BITS - name_bits) // 8))
         self.guaranteed_bits = name_bits + 8 * self.field_bytes
+        self._shift = 96 - 8 * self.field_bytes
+        self._field_mask = (1 << 8 * self.field_bytes) - 1
         self._kinds: dict[bytes, int] = {}
 
     def locate(
@@ -265,10 +274,13 @@ class MarkerLayout:
             mask = int.from_bytes(kind + kind)
             if len(self._kinds) < 4096:  # kinds are few; bound the cache anyway
                 self._kinds[kind] = mask
-        x = (int.from_bytes(key[-DIGEST_BYTES:]) ^ mask).to_bytes(DIGEST_BYTES)
-        index = int.from_bytes(x[1:4]) % self.buckets_per_tag
+        # x[1:4] and x[4:4+field_bytes] of x as 16 bytes, read off the integer (the hot
+        # path: a claim locates every key of its batch).
+        x = int.from_bytes(key[-DIGEST_BYTES:]) ^ mask
+        index = (x >> 96 & 0xFFFFFF) % self.buckets_per_tag
+        field = (x >> self._shift & self._field_mask).to_bytes(self.field_bytes)
         head = key[:-_TAIL_BYTES]
-        return [b"%sm%s:%d" % (head, g, index) for g in generations], x[4 : 4 + self.field_bytes]
+        return [b"%sm%s:%d" % (head, g, index) for g in generations], field
 
     def collision_chance(self, saved: float, new: float) -> float:
         """The chance that any of ``new`` values is taken for one of ``saved`` ones."""

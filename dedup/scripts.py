@@ -203,15 +203,21 @@ COMMIT_BLOOM = """
 -- KEYS: the lease keys whose rows are committed (n), then each value's Bloom
 --   partition in the current generation (n)
 -- ARGV[1]: the committer's token; ARGV[2]: when the current generation's partitions
---   expire, Unix time in ms, 0 = never; ARGV[3]: k; ARGV[3+(i-1)*k+j]: bit j of value i
+--   expire, Unix time in ms, 0 = never; ARGV[3]: k; ARGV[4]: bytes of a partition;
+--   ARGV[4+(i-1)*k+j]: bit j of value i
 -- Returns: how many of the lease keys still held the committer's lease
-local token, at, k = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+-- A new partition is created whole, zero-filled: grown bit by bit, Redis would
+-- over-allocate it (up to 1 MB more per partition).
+local token, at, k, size = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local n = #KEYS / 2
 local held = 0
 for i = 1, n do
   local key, part = KEYS[i], KEYS[n + i]
   if redis.call('GET', key) == token then held = held + 1 end
-  local bits = 3 + (i - 1) * k
+  if redis.call('EXISTS', part) == 0 then
+    redis.call('SET', part, string.rep('\0', size))
+  end
+  local bits = 4 + (i - 1) * k
   for b = 1, k do
     redis.call('SETBIT', part, ARGV[bits + b], 1)
   end
