@@ -23,7 +23,7 @@ from dedup._flights import Flight, FlightTable
 from dedup.claims import Claims
 from dedup.errors import Unavailable
 from dedup.metrics import Stats
-from dedup.types import BatchWriter, Row
+from dedup.types import BatchWriter, Row, Source
 
 __all__ = ["WriteStage"]
 
@@ -118,14 +118,9 @@ class WriteStage:
         except Exception as exc:
             stats.db_errors += 1
             return "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc!r}"
-        resolve = self._flights.resolve
-        created = 0
-        for f in batch:
-            if (f.kind, f.digest) in inserted:
-                created += 1
-                resolve(f, "write")
-            else:
-                resolve(f, "db")
+        sources: list[Source] = ["write" if (f.kind, f.digest) in inserted else "db" for f in batch]
+        self._flights.resolve_many(batch, sources)
+        created = sources.count("write")
         stats.write += created
         stats.db += len(batch) - created
         return None
