@@ -1,7 +1,8 @@
 """Redis bytes per saved value for each marker layout, through the real scripts.
 
     .venv/bin/python bench/memory_bench.py [--values 1000000] [--batch 512]
-        [--layouts compact,compact-128,keys,bloom] [--buckets 65536] [--fp-rate 0.01]
+        [--layouts compact,compact-128,compact-retention,keys,bloom]
+        [--buckets 65536] [--fp-rate 0.01]
 
 For each layout a throwaway redis-server (dedup.servers.RedisServer) is started, and
 ``--values`` distinct values are claimed and committed in batches of ``--batch`` by
@@ -16,6 +17,8 @@ Layouts:
   config/redis.conf;
 * ``compact-128``: the default layout on a Redis left at its own default of 128, where
   buckets that outgrow it turn into hash tables;
+* ``compact-retention``: the default layout with a one-day retention (buckets carry
+  a generation in their name and an expiry);
 * ``keys``: one key per value holding "1" (the layout before issue 12);
 * ``bloom``: the approximate mode sized for ``--values`` at ``--fp-rate``; its
   false-positive rate is then measured on 100,000 new values (claimed, then aborted).
@@ -43,6 +46,10 @@ from dedup.servers import RedisServer
 LAYOUTS = {
     "compact": ({"layout": "compact"}, ["--hash-max-listpack-entries", "512"]),
     "compact-128": ({"layout": "compact"}, ["--hash-max-listpack-entries", "128"]),
+    "compact-retention": (
+        {"layout": "compact", "retention_ms": 86_400_000},
+        ["--hash-max-listpack-entries", "512"],
+    ),
     "keys": ({"layout": "keys"}, []),
     "bloom": ({"layout": "compact"}, []),
 }
@@ -84,7 +91,8 @@ async def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
             options: dict[str, Any] = dict(kwargs, marker_buckets=args.buckets)
             if name == "bloom":
                 options["approximate"] = BloomSpec(args.values, args.fp_rate)
-            claims = Claims(client, lease_ms=60_000, retention_ms=0, stats=Stats(), **options)
+            options.setdefault("retention_ms", 0)
+            claims = Claims(client, lease_ms=60_000, stats=Stats(), **options)
             await claims.claim(keys_for(space, 0, 1, "warm"))  # loads the script
             await claims.abort(keys_for(space, 0, 1, "warm"))
             before = (await client.info("memory"))["used_memory"]
@@ -157,7 +165,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--values", type=int, default=1_000_000)
     parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--layouts", default="compact,compact-128,keys,bloom")
+    parser.add_argument("--layouts", default="compact,compact-128,compact-retention,keys,bloom")
     parser.add_argument("--buckets", type=int, default=65536, help="marker_buckets")
     parser.add_argument("--fp-rate", type=float, default=0.01)
     args = parser.parse_args(argv)
