@@ -279,6 +279,49 @@ class Claims:
         results = await self._run(_ABORT, keys, lambda ks: (ks, args))
         return sum(int(r) for r in results)
 
+    async def states(self, keys: Sequence[bytes]) -> str:
+        """One letter per key, read without writing (for tests, tools and debugging, not
+        the hot path; one pipeline, not atomic): ``S`` saved (a marker of this layout in
+        a generation a claim reads, or an old-layout ``"1"``), ``L`` leased (a token), ``-``
+        neither. In approximate mode ``S`` means "probably saved"."""
+        if not keys:
+            return ""
+        reads, _ = self.generations()
+        pipe = self._client.pipeline(transaction=False)
+        per_key = 1
+        for key in keys:
+            pipe.get(key)
+            if self.layout == "keys":
+                continue
+            if self._bloom is None:
+                buckets, field = self._markers.locate(key, reads)
+                for bucket in buckets:
+                    pipe.hexists(bucket, field)
+                per_key = 1 + len(buckets)
+            else:
+                parts, bits = self._bloom.locate(key, reads)
+                for part in parts:
+                    for bit in bits:
+                        pipe.getbit(part, bit)
+                per_key = 1 + len(parts) * len(bits)
+        answers = await pipe.execute()
+        out = []
+        for i in range(len(keys)):
+            value, *marks = answers[i * per_key : (i + 1) * per_key]
+            if self._bloom is not None:
+                k = self._bloom.k
+                groups = [marks[j : j + k] for j in range(0, len(marks), k)]
+                saved = any(all(group) for group in groups)
+            else:
+                saved = any(marks)
+            if saved or value == b"1":
+                out.append("S")
+            elif value is not None:
+                out.append("L")
+            else:
+                out.append("-")
+        return "".join(out)
+
     def _claim_call(
         self, keys: Sequence[bytes], reads: list[bytes]
     ) -> tuple[list[bytes], list[Any]]:

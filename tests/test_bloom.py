@@ -76,6 +76,7 @@ async def test_a_saved_value_answers_saved_and_a_failed_one_does_not(client: Red
     assert await gw.commit(keys[:2]) == 2
     assert await gw.abort(keys[2:3]) == 1  # a failed write leaves no bit behind
     assert await other.claim(keys) == "SSWB"
+    assert await other.states(keys) == "SSLL"
     assert await client.exists(*keys[:2]) == 0  # "probably saved" holds no key per value
     # An old-layout marker still counts.
     await client.set(keys[3], "1")

@@ -66,6 +66,8 @@ async def test_compact_claim_commit_abort(client: Redis) -> None:
     assert await one.commit(keys[:3]) == 3
     assert await one.abort(keys[3:5]) == 2
     assert await two.claim(keys) == "SSSWWB"
+    assert await one.states(keys) == "SSSLLL"  # read only: nothing changes
+    assert await claims(client, layout="keys").states(keys[:3]) == "---"  # not its layout
     # Saved values live in buckets, not under their lease keys.
     assert await client.exists(*keys[:3]) == 0
     layout = MarkerLayout()
@@ -112,6 +114,7 @@ async def test_values_saved_in_the_old_layout_stay_saved(client: Redis) -> None:
     assert await old.claim(keys) == "W" * 50
     assert await old.commit(keys) == 50
     assert set(await client.mget(keys)) == {b"1"}
+    assert await new.states(keys) == "S" * 50
     assert await new.claim(keys) == "S" * 50  # nothing is created twice
     # A rolling upgrade: an old gateway sees a new gateway's lease as busy...
     fresh = keys_of("mixed")
@@ -206,6 +209,7 @@ async def test_compact_layout_on_a_cluster(cluster: list[RedisServer]) -> None: 
         assert await two.claim(keys) == "B" * 600
         assert await one.commit(keys[:400]) == 400
         assert await two.claim(keys) == "S" * 400 + "B" * 200
+        assert await two.states(keys) == "S" * 400 + "L" * 200
         assert await one.abort(keys[400:]) == 200
         assert await two.claim(keys) == "S" * 400 + "W" * 200
         # Untagged keys cannot share a slot with their buckets: refused, not CROSSSLOT.
