@@ -8,8 +8,9 @@ For each layout a throwaway redis-server (dedup.servers.RedisServer) is started,
 ``--values`` distinct values are claimed and committed in batches of ``--batch`` by
 :class:`dedup.claims.Claims` (the claim and commit scripts the gateway runs). Printed
 per layout: ``used_memory`` (INFO memory) after minus before, per saved value; the
-keys Redis holds; claims+commits per second; and duplicate claims per second (a
-sample of saved values claimed again: all answer "saved", the hot path's Redis cost).
+keys Redis holds; claims+commits per second; duplicate claims per second (a sample of
+saved values claimed again: all answer "saved"); and the Redis CPU time in the scripts
+(INFO commandstats) per saved value (claim + commit) and per duplicate claim.
 
 Layouts:
 
@@ -43,7 +44,7 @@ from dedup.loop import run as run_loop
 from dedup.metrics import Stats
 from dedup.servers import RedisServer
 
-LAYOUTS = {
+LAYOUTS: dict[str, tuple[dict[str, Any], list[str]]] = {
     "compact": ({"layout": "compact"}, ["--hash-max-listpack-entries", "512"]),
     "compact-128": ({"layout": "compact"}, ["--hash-max-listpack-entries", "128"]),
     "compact-retention": (
@@ -82,6 +83,12 @@ async def fill(claims: Claims, space: KeySpace, values: int, batch: int) -> int:
     return committed
 
 
+async def script_usec(client: Redis) -> float:
+    """Microseconds Redis has spent in EVALSHA so far (INFO commandstats)."""
+    stats = await client.info("commandstats")
+    return float(stats.get("cmdstat_evalsha", {}).get("usec", 0))
+
+
 async def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     kwargs, server_args = LAYOUTS[name]
     with RedisServer(extra_args=server_args) as server:
@@ -96,10 +103,13 @@ async def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
             await claims.claim(keys_for(space, 0, 1, "warm"))  # loads the script
             await claims.abort(keys_for(space, 0, 1, "warm"))
             before = (await client.info("memory"))["used_memory"]
+            usec_before = await script_usec(client)
             started = time.perf_counter()
             committed = await fill(claims, space, args.values, args.batch)
             took = time.perf_counter() - started
-            after = (await client.info("memory"))["used_memory"]
+            info = await client.info("memory")
+            after = info["used_memory"]
+            usec_fill = await script_usec(client)
             sample = keys_for(space, 0, min(args.values, DUP_SAMPLE))
             started = time.perf_counter()
             answers = "".join(
@@ -109,6 +119,7 @@ async def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 ]
             )
             dup_rate = len(sample) / (time.perf_counter() - started)
+            usec_dup = await script_usec(client)
             row: dict[str, Any] = {
                 "layout": name,
                 "values": args.values,
@@ -118,6 +129,8 @@ async def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 "saves_per_s": args.values / took,
                 "dup_claims_per_s": dup_rate,
                 "dup_answers_saved": answers.count("S") / len(sample),
+                "redis_us_per_save": (usec_fill - usec_before) / args.values,
+                "redis_us_per_dup": (usec_dup - usec_fill) / len(sample),
             }
             if name == "bloom":
                 probes = keys_for(space, 0, FP_PROBES, "new")
@@ -131,6 +144,9 @@ async def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 row["fp_configured"] = args.fp_rate
                 assert claims.bloom is not None
                 row["bloom_m_k"] = (claims.bloom.m, claims.bloom.k)
+                parts = [k async for k in client.scan_iter(match=b"dedup:b*")]
+                usage = sum([await client.memory_usage(p) or 0 for p in parts])
+                row["bloom_bytes_per_value"] = usage / args.values
             return row
         finally:
             await client.aclose()
@@ -139,7 +155,7 @@ async def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
 async def main(args: argparse.Namespace) -> None:
     print(
         f"{'layout':<12} {'values':>10} {'bytes/value':>11} {'keys':>9} {'saves/s':>9} "
-        f"{'dup claims/s':>12}  notes",
+        f"{'dup claims/s':>12} {'Redis us/save':>13} {'Redis us/dup':>12}  notes",
         flush=True,
     )
     for name in args.layouts.split(","):
@@ -148,14 +164,16 @@ async def main(args: argparse.Namespace) -> None:
         if name == "bloom":
             notes = (
                 f"fp measured {row['fp_measured']:.4f} vs configured {row['fp_configured']} "
-                f"(m={row['bloom_m_k'][0]}, k={row['bloom_m_k'][1]}; "
+                f"(m={row['bloom_m_k'][0]}, k={row['bloom_m_k'][1]}; the bitmaps alone: "
+                f"{row['bloom_bytes_per_value']:.2f} bytes/value (MEMORY USAGE); "
                 f"{row['values'] - row['committed']} false positives while filling)"
             )
         elif row["dup_answers_saved"] != 1.0:
             notes = f"only {row['dup_answers_saved']:.4f} of saved values answered saved!"
         print(
             f"{row['layout']:<12} {row['values']:>10} {row['bytes_per_value']:>11.2f} "
-            f"{row['keys']:>9} {row['saves_per_s']:>9.0f} {row['dup_claims_per_s']:>12.0f}  "
+            f"{row['keys']:>9} {row['saves_per_s']:>9.0f} {row['dup_claims_per_s']:>12.0f} "
+            f"{row['redis_us_per_save']:>13.2f} {row['redis_us_per_dup']:>12.2f}  "
             f"{notes}",
             flush=True,
         )
