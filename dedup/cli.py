@@ -7,6 +7,7 @@ Settings reach every subcommand as flag > ``DEDUP_*`` environment variable >
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -92,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="TCP port (default 8080)")
     serve.add_argument("--workers", type=int, help="worker processes sharing the port (default 1)")
+    serve.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="text (default), or json: one JSON object per line, tracebacks included",
+    )
 
     check = sub.add_parser(
         "check", help="validate the settings and reach Redis and the database; report findings"
@@ -113,7 +119,9 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _config(args: argparse.Namespace) -> Config:
-    service_flags = {name: getattr(args, name, None) for name in ("host", "port", "workers")}
+    service_flags = {
+        name: getattr(args, name, None) for name in ("host", "port", "workers", "log_format")
+    }
     return load_config(
         config_path=args.config,
         environ=os.environ,
@@ -127,8 +135,15 @@ def _serve(args: argparse.Namespace) -> int:
     from dedup.supervisor import run
 
     config = _config(args)
-    setup_logging(config.service.log_level)
-    return run(config.service, config.gateway.gateway_kwargs())
+    setup_logging(config.service.log_level, config.service.log_format)
+    try:
+        return run(config.service, config.gateway.gateway_kwargs())
+    except DedupError as exc:
+        if config.service.log_format != "json":
+            raise
+        # A collector reading JSON lines gets the reason it stopped as one, too.
+        logging.getLogger("dedup.service").error("dedup: error: %s", exc)
+        return 2
 
 
 _MARKS = {"ok": "OK  ", "warn": "WARN", "fail": "FAIL"}

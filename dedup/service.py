@@ -24,11 +24,11 @@ and ``dedup check`` in :mod:`dedup.check`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -40,6 +40,7 @@ from aiohttp import web
 from dedup import __version__
 from dedup.errors import DedupError, InvalidInput, Overloaded, Unavailable, WaitTimeout
 from dedup.gateway import Gateway
+from dedup.logs import setup_logging
 from dedup.openapi import (
     BATCH_PATH,
     CODE_FOR_STATUS,
@@ -53,16 +54,20 @@ from dedup.openapi import (
     SOURCES,
     openapi_document,
 )
-from dedup.service_metrics import ServiceMetrics
+from dedup.service_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from dedup.service_metrics import PUSH_INTERVAL_S, ServiceMetrics
 from dedup.settings import ServiceSettings
 from dedup.types import Item, SaveResult
 from dedup.urls import redact
 
-__all__ = ["create_app", "serve", "setup_logging"]
+__all__ = ["HEARTBEAT_INTERVAL_S", "create_app", "serve", "setup_logging"]
 
 log = logging.getLogger("dedup.service")
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+HEARTBEAT_INTERVAL_S = 1.0
+"""How often a served event loop calls ``serve``'s ``heartbeat``."""
 
 _ITEM_FIELDS = frozenset(("kind", "value", "payload"))
 _JSON = "application/json"
@@ -314,7 +319,7 @@ async def _save_batch(request: web.Request) -> web.Response:
     for index, obj in enumerate(raw):
         kind, value, payload = _item(obj, index)
         items.append((kind, value) if payload is None else (kind, value, payload))
-    state.metrics.batch_items.observe(len(items))
+    state.metrics.batch(len(items))
     try:
         results: list[SaveResult] = await state.gateway.save_many(items)
     except DedupError as exc:
@@ -356,10 +361,8 @@ async def _readyz(request: web.Request) -> web.Response:
 async def _metrics(request: web.Request) -> web.Response:
     state = _state(request)
     gw = state.gateway
-    text = state.metrics.render(gw.stats(), pending=gw.pending, degraded=gw.degraded)
-    return web.Response(
-        body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
-    )
+    body = state.metrics.render(gw.stats(), pending=gw.pending, degraded=gw.degraded)
+    return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 async def _openapi(request: web.Request) -> web.Response:
@@ -367,15 +370,37 @@ async def _openapi(request: web.Request) -> web.Response:
 
 
 async def _gateway_lifetime(app: web.Application) -> AsyncIterator[None]:
-    """Open the Gateway before serving; close it after the last request finished."""
+    """Open the Gateway before serving; close it after the last request finished.
+
+    Meanwhile a task pushes the metrics' deltas about once a second; the last push
+    comes after the Gateway closed, so the saves finished while draining count too.
+    """
     state = app[_STATE]
-    await state.gateway.open()
-    yield
-    remaining = state.settings.drain_timeout_s
-    if state.drain_deadline is not None:
-        remaining = state.drain_deadline - asyncio.get_running_loop().time()
-    # At least a moment: saves of handlers cancelled at the deadline still hold leases.
-    await state.gateway.aclose(drain_timeout_s=max(1.0, remaining))
+    gateway = state.gateway
+    await gateway.open()
+    pusher = asyncio.create_task(_push_metrics(state), name="dedup-metrics-push")
+    try:
+        yield
+        remaining = state.settings.drain_timeout_s
+        if state.drain_deadline is not None:
+            remaining = state.drain_deadline - asyncio.get_running_loop().time()
+        # At least a moment: saves of handlers cancelled at the deadline still hold leases.
+        await gateway.aclose(drain_timeout_s=max(1.0, remaining))
+    finally:
+        pusher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pusher
+        state.metrics.flush(gateway.stats(), pending=0, degraded=False)
+
+
+async def _push_metrics(state: _State) -> None:
+    gateway = state.gateway
+    while True:
+        await asyncio.sleep(PUSH_INTERVAL_S)
+        try:
+            state.metrics.flush(gateway.stats(), pending=gateway.pending, degraded=gateway.degraded)
+        except Exception:  # a metrics failure must not end the worker; try again later
+            log.exception("pushing the metrics failed")
 
 
 async def _on_shutdown(app: web.Application) -> None:
@@ -427,19 +452,25 @@ async def serve(
     *,
     reuse_port: bool = False,
     on_ready: Callable[[int], None] | None = None,
+    heartbeat: Callable[[], None] | None = None,
 ) -> None:
     """Serve ``gateway`` on ``settings.host:port`` until SIGTERM or SIGINT, then drain.
 
     Draining: stop accepting, let requests in flight finish, then close the Gateway
     (which waits for saves in flight), all within ``drain_timeout_s``; requests
     still running at the deadline are cancelled and acknowledge nothing.
-    ``on_ready`` gets the bound port once the socket listens.
+    ``on_ready`` gets the bound port once the socket listens. ``heartbeat`` is called
+    every :data:`HEARTBEAT_INTERVAL_S` from the event loop until the end (so it stops
+    when the loop is blocked): the supervisor's liveness check.
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
+    beating = None
+    if heartbeat is not None:
+        beating = asyncio.create_task(_beat(heartbeat), name="dedup-heartbeat")
     app = create_app(gateway, settings)
     state = app[_STATE]
     access_log = logging.getLogger("aiohttp.access") if settings.access_log else None
@@ -483,8 +514,18 @@ async def serve(
             await runner.cleanup()
             log.info("stopped (pid %d)", os.getpid())
     finally:
+        if beating is not None:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
         for sig in signals:
             loop.remove_signal_handler(sig)
+
+
+async def _beat(heartbeat: Callable[[], None]) -> None:
+    while True:
+        heartbeat()
+        await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
 
 def _bound_port(runner: web.AppRunner, fallback: int) -> int:
@@ -492,14 +533,3 @@ def _bound_port(runner: web.AppRunner, fallback: int) -> int:
         if isinstance(address, tuple) and len(address) >= 2:
             return int(address[1])
     return fallback
-
-
-def setup_logging(level: str) -> None:
-    """Log to stderr with the PID (several workers share one stream)."""
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # Alembic narrates every step of the embedded default's migration at INFO.
-    logging.getLogger("alembic").setLevel(max(logging.WARNING, logging.getLogger().level))

@@ -1,19 +1,38 @@
-"""The service's metrics: what it counts itself, and their Prometheus text rendering.
+"""The service's metrics: what it counts, and the Prometheus text of the whole service.
 
-Responses by route and status, request latency and batch sizes are counted here;
-the Gateway's own counters (:meth:`dedup.Gateway.stats`) are added at render time.
+Stored with ``prometheus_client``. With ``--workers N`` the supervisor gives every
+run a fresh ``PROMETHEUS_MULTIPROC_DIR`` (see :mod:`dedup.supervisor`): each worker
+writes its values to files of its own there (prometheus_client's multiprocess mode),
+and a scrape answered by any worker merges every file, so it shows the whole service.
+A worker that died keeps its counts in the totals (its files stay); its live gauges
+are dropped by the supervisor (``mark_process_dead``). With one process the metrics
+live in a registry of this process.
+
+Cost: the request latency and batch size histograms are observed per request; every
+counter (responses, items, and the Gateway's :meth:`~dedup.Gateway.stats`) is counted
+in plain integers and pushed as deltas by :meth:`ServiceMetrics.flush`, about once a
+second and before each scrape, so a save pays no file write for them.
 """
 
 from __future__ import annotations
 
-import bisect
+import os
 import time
-from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from dedup.metrics import Stats
 from dedup.openapi import BATCH_PATH, SAVE_PATH, SOURCES
 
-__all__ = ["BATCH_BUCKETS", "LATENCY_BUCKETS_S", "Histogram", "ServiceMetrics"]
+__all__ = [
+    "BATCH_BUCKETS",
+    "CONTENT_TYPE",
+    "LATENCY_BUCKETS_S",
+    "MULTIPROC_ENV",
+    "PUSH_INTERVAL_S",
+    "ServiceMetrics",
+]
 
 LATENCY_BUCKETS_S = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -21,43 +40,12 @@ LATENCY_BUCKETS_S = (
 """Upper bounds of the request latency histogram, in seconds."""
 BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 """Upper bounds of the batch size histogram, in items."""
-
-
-class Histogram:
-    """A Prometheus histogram: cumulative buckets with the given upper bounds, sum, count."""
-
-    __slots__ = ("bounds", "count", "counts", "sum")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        """Count one observation (a bucket holds values <= its bound)."""
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def lines(self, name: str, labels: str = "") -> list[str]:
-        """The exposition lines of this histogram; ``labels`` like ``route="/x"``."""
-        sep = "," if labels else ""
-        out = []
-        cumulative = 0
-        for bound, n in zip((*self.bounds, None), self.counts, strict=True):
-            cumulative += n
-            le = "+Inf" if bound is None else _number(bound)
-            out.append(f'{name}_bucket{{{labels}{sep}le="{le}"}} {cumulative}')
-        braces = f"{{{labels}}}" if labels else ""
-        out.append(f"{name}_sum{braces} {_number(self.sum)}")
-        out.append(f"{name}_count{braces} {self.count}")
-        return out
-
-
-def _number(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(float(x))
-
+PUSH_INTERVAL_S = 1.0
+"""How often each worker pushes its counters' deltas to the shared files."""
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus_client's variable: set, the values are kept in files in that folder."""
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""The Prometheus text exposition format that :func:`generate_latest` writes."""
 
 _STAT_HELP = {
     "redis_round_trips": "Script calls and other commands sent to Redis.",
@@ -78,66 +66,131 @@ _STAT_HELP = {
 
 
 class ServiceMetrics:
-    """What the service counts itself: responses by route and status, latency and batch sizes.
+    """The metrics of one worker process, and the rendering of the whole service's.
 
-    The Gateway's own counters come from :meth:`Gateway.stats` at render time.
+    ``multiprocess_dir`` (default: ``$PROMETHEUS_MULTIPROC_DIR``) is the folder shared
+    by the workers of one run; None keeps the metrics in this process. prometheus_client
+    picks its storage when first imported, so the variable must be set before that
+    (the supervisor sets it before spawning the workers).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
         self.started = time.time()
+        self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROC_ENV) or None
         self.responses: dict[tuple[str, int], int] = {}
-        self.latency = {path: Histogram(LATENCY_BUCKETS_S) for path in (SAVE_PATH, BATCH_PATH)}
-        self.batch_items = Histogram(BATCH_BUCKETS)
         self.items = 0
+        self._pushed_responses: dict[tuple[str, int], int] = {}
+        self._pushed_items = 0
+        self._pushed_stats: dict[str, int] = {}
+        self._registry = CollectorRegistry()
+        # Multiprocess mode: the values go to files; the collector reads every worker's.
+        own = None if self.multiprocess_dir else self._registry
+        if self.multiprocess_dir:
+            MultiProcessCollector(self._registry, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
+
+        self._responses = Counter(
+            "dedup_http_responses",
+            "HTTP responses by route and status code.",
+            ["route", "code"],
+            registry=own,
+        )
+        latency = Histogram(
+            "dedup_http_request_duration_seconds",
+            "Time from the request reaching the application to its response, by route.",
+            ["route"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=own,
+        )
+        self._latency = {path: latency.labels(path) for path in (SAVE_PATH, BATCH_PATH)}
+        self._batch_items = Histogram(
+            "dedup_http_batch_items",
+            "Items per accepted batch request.",
+            buckets=BATCH_BUCKETS,
+            registry=own,
+        )
+        self._items = Counter(
+            "dedup_http_items", "Items accepted for saving (single + batch).", registry=own
+        )
+        answers = Counter(
+            "dedup_answers",
+            "Successful saves by where the answer came from.",
+            ["source"],
+            registry=own,
+        )
+        self._answers = {source: answers.labels(source) for source in SOURCES}
+        self._stats: dict[str, Counter] = {}
+        for name in Stats().as_dict():
+            if name not in self._answers:
+                self._stat_counter(name, own)
+        self._own = own
+        # live*: only the workers alive now count (the supervisor marks the dead ones).
+        self._pending = Gauge(
+            "dedup_pending",
+            "Values in flight (summed over the live workers).",
+            multiprocess_mode="livesum",
+            registry=own,
+        )
+        self._degraded = Gauge(
+            "dedup_degraded",
+            "1 while a worker serves through the database alone (Redis down or slow: "
+            "circuit open); the largest over the live workers.",
+            multiprocess_mode="livemax",
+            registry=own,
+        )
+        # min: the first worker's start, i.e. when this run's counters started from zero.
+        start = Gauge(
+            "process_start_time_seconds",
+            "Start time of the service's counters (Unix time).",
+            multiprocess_mode="min",
+            registry=own,
+        )
+        start.set(self.started)
+
+    def _stat_counter(self, name: str, registry: CollectorRegistry | None) -> Counter:
+        counter = self._stats[name] = Counter(
+            f"dedup_{name}", _STAT_HELP.get(name, f"Gateway counter {name}."), registry=registry
+        )
+        counter.inc(0)  # the series exists (at 0) before anything happened
+        return counter
 
     def response(self, route: str, status: int, seconds: float) -> None:
         """Count one response of ``route`` (a known path or ``"other"``)."""
         key = (route, status)
         self.responses[key] = self.responses.get(key, 0) + 1
-        histogram = self.latency.get(route)
+        histogram = self._latency.get(route)
         if histogram is not None:
             histogram.observe(seconds)
 
-    def render(self, stats: Stats, *, pending: int, degraded: bool) -> str:
-        """The Prometheus text exposition (format 0.0.4) of this process."""
-        out: list[str] = []
+    def batch(self, items: int) -> None:
+        """Count one accepted batch request of ``items`` items."""
+        self._batch_items.observe(items)
 
-        def header(name: str, kind: str, text: str) -> None:
-            out.append(f"# HELP {name} {text}")
-            out.append(f"# TYPE {name} {kind}")
+    def flush(self, stats: Stats, *, pending: int, degraded: bool) -> None:
+        """Push what was counted since the last flush, and the gauges' values now."""
+        for key, n in self.responses.items():
+            delta = n - self._pushed_responses.get(key, 0)
+            if delta:
+                self._responses.labels(key[0], str(key[1])).inc(delta)
+                self._pushed_responses[key] = n
+        if self.items != self._pushed_items:
+            self._items.inc(self.items - self._pushed_items)
+            self._pushed_items = self.items
+        for name, value in stats.as_dict().items():
+            delta = value - self._pushed_stats.get(name, 0)
+            if delta <= 0:  # counters only grow; nothing new
+                continue
+            self._pushed_stats[name] = value
+            answers = self._answers.get(name)
+            if answers is not None:
+                answers.inc(delta)
+            else:
+                counter = self._stats.get(name) or self._stat_counter(name, self._own)
+                counter.inc(delta)
+        self._pending.set(pending)
+        self._degraded.set(int(degraded))
 
-        header("dedup_http_responses_total", "counter", "HTTP responses by route and status code.")
-        for (route, status), n in sorted(self.responses.items()):
-            out.append(f'dedup_http_responses_total{{route="{route}",code="{status}"}} {n}')
-        header(
-            "dedup_http_request_duration_seconds",
-            "histogram",
-            "Time from the request reaching the application to its response, by route.",
-        )
-        for route, histogram in self.latency.items():
-            out += histogram.lines("dedup_http_request_duration_seconds", f'route="{route}"')
-        header("dedup_http_batch_items", "histogram", "Items per accepted batch request.")
-        out += self.batch_items.lines("dedup_http_batch_items")
-        header("dedup_http_items_total", "counter", "Items accepted for saving (single + batch).")
-        out.append(f"dedup_http_items_total {self.items}")
-
-        counters = stats.as_dict()
-        header("dedup_answers_total", "counter", "Successful saves by where the answer came from.")
-        for source in SOURCES:
-            out.append(f'dedup_answers_total{{source="{source}"}} {counters.pop(source, 0)}')
-        for name, value in counters.items():
-            metric = f"dedup_{name}_total"
-            header(metric, "counter", _STAT_HELP.get(name, f"Gateway counter {name}."))
-            out.append(f"{metric} {value}")
-
-        header("dedup_pending", "gauge", "Values in flight in this process.")
-        out.append(f"dedup_pending {pending}")
-        header(
-            "dedup_degraded",
-            "gauge",
-            "1 while serving through the database alone (Redis down or slow: circuit open).",
-        )
-        out.append(f"dedup_degraded {int(degraded)}")
-        header("process_start_time_seconds", "gauge", "Start time of this process (Unix time).")
-        out.append(f"process_start_time_seconds {_number(self.started)}")
-        return "\n".join(out) + "\n"
+    def render(self, stats: Stats, *, pending: int, degraded: bool) -> bytes:
+        """The Prometheus text exposition (format 0.0.4): this process's latest counts
+        first flushed, then every worker's merged (or this process's alone)."""
+        self.flush(stats, pending=pending, degraded=degraded)
+        return generate_latest(self._registry)

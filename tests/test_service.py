@@ -479,8 +479,24 @@ _SAMPLE = re.compile(
 )
 
 
+def _canonical_labels(labels: str) -> str:
+    """Labels sorted by name, ``le`` bounds written as short numbers (``5``, ``0.5``)."""
+    pairs = sorted(tuple(pair.split("=", 1)) for pair in _LABEL.findall(labels))
+    out = []
+    for name, quoted in pairs:
+        if name == "le" and quoted != '"+Inf"':
+            bound = float(quoted.strip('"'))
+            quoted = f'"{int(bound)}"' if bound.is_integer() else f'"{bound!r}"'
+        out.append(f"{name}={quoted}")
+    return ",".join(out)
+
+
+_LABEL = re.compile(r'([a-zA-Z_]+="[^"\\]*")')
+
+
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text format, strictly: every line a comment or a sample; ``name{labels}`` keys."""
+    """Prometheus text format, strictly: every line a comment or a sample; ``name{labels}``
+    keys with the labels in name order (see :func:`_canonical_labels`)."""
     samples: dict[str, float] = {}
     typed: dict[str, str] = {}
     for line in text.splitlines():
@@ -493,7 +509,8 @@ def parse_metrics(text: str) -> dict[str, float]:
             continue
         match = _SAMPLE.match(line)
         assert match, f"not a sample line: {line!r}"
-        key = match["name"] + (f"{{{match['labels']}}}" if match["labels"] else "")
+        labels = _canonical_labels(match["labels"]) if match["labels"] else ""
+        key = match["name"] + (f"{{{labels}}}" if labels else "")
         assert key not in samples, f"duplicate sample {key}"
         base = re.sub(r"_(bucket|sum|count)$", "", match["name"])
         assert match["name"] in typed or base in typed, f"sample without TYPE: {line}"
@@ -522,15 +539,16 @@ async def test_metrics(served: Served, http: aiohttp.ClientSession) -> None:
     assert m['dedup_answers_total{source="local"}'] >= 3
     assert m["dedup_redis_round_trips_total"] > 0 and m["dedup_db_statements_total"] > 0
     assert m["dedup_degraded"] == 0 and m["dedup_pending"] == 0
-    assert m['dedup_http_responses_total{route="/v1/save",code="201"}'] >= 3
+    assert m['dedup_http_responses_total{code="201",route="/v1/save"}'] >= 3
     assert m['dedup_http_batch_items_bucket{le="5"}'] < m['dedup_http_batch_items_bucket{le="10"}']
     assert m['dedup_http_batch_items_bucket{le="+Inf"}'] == m["dedup_http_batch_items_count"]
     count = m['dedup_http_request_duration_seconds_count{route="/v1/save"}']
-    assert m['dedup_http_request_duration_seconds_bucket{route="/v1/save",le="+Inf"}'] == count
+    assert m['dedup_http_request_duration_seconds_bucket{le="+Inf",route="/v1/save"}'] == count
     buckets = [
         v
         for k, v in m.items()
-        if k.startswith("dedup_http_request_duration_seconds_bucket") and 'route="/v1/save",' in k
+        if k.startswith("dedup_http_request_duration_seconds_bucket")
+        and k.endswith('route="/v1/save"}')
     ]
     assert buckets == sorted(buckets), "histogram buckets must be cumulative"
     assert m["dedup_http_items_total"] >= 10
