@@ -252,7 +252,7 @@ def openapi_document(
             METRICS_PATH: {
                 "get": {
                     "operationId": "metrics",
-                    "summary": "Prometheus text exposition (format 0.0.4) of this process.",
+                    "summary": "Prometheus text exposition (format 0.0.4) of the whole service.",
                     "security": security,
                     "responses": {
                         "200": {
