@@ -24,6 +24,7 @@ the redis-server and PostgreSQL processes when the bench started them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import csv
 import json
@@ -124,7 +125,7 @@ class BenchConfig:
     # process count; empty for none.
     rates: tuple[float, ...] = ()
     # Bound on the requests in flight in an open-loop run (in all, split like callers).
-    outstanding: int = 4096
+    outstanding: int = 1024
     zipf_values: int = 1_000_000
     uniform_values: int = 10_000_000
     memory_values: int = 1_000_000
@@ -430,55 +431,52 @@ async def _open_loop(
 ) -> tuple[float, int, int]:
     """Request ``i`` is due at ``i / rate`` s, whether or not earlier ones were answered.
 
-    At most ``outstanding`` requests are in flight; past that the timetable slips, and
-    since latency counts from the scheduled time, the slip shows in the percentiles
-    (no coordinated omission). The dispatcher wakes every millisecond or so, which
-    adds up to about a millisecond to a request's latency.
+    ``outstanding`` callers take the due requests in order; when all of them are busy
+    the timetable slips, and since latency counts from the scheduled time, the slip
+    shows in the percentiles (no coordinated omission). The dispatcher releases the
+    due requests about every millisecond (it never busy-waits), which adds up to about
+    a millisecond to a request's latency. No task or future per request: a busy
+    caller takes the next due request directly, an idle one waits to be woken.
     """
     loop = asyncio.get_running_loop()
     clock = time.perf_counter
     n = len(values)
-    created = errors = inflight = answered = 0
-    tasks: set[asyncio.Task[None]] = set()
-    slot: asyncio.Future[None] | None = None
-    done: asyncio.Future[None] = loop.create_future()
-
-    async def one(i: int, due: float) -> None:
-        nonlocal created, errors, inflight, answered
-        try:
-            ok = await save(values[i])
-        except Exception:
-            errors += 1
-        else:
-            created += ok
-        latencies[i] = clock() - due
-        inflight -= 1
-        answered += 1
-        if slot is not None and not slot.done():
-            slot.set_result(None)
-        if answered == n:
-            done.set_result(None)
-
+    created = errors = 0
+    taken = released = 0  # requests [taken, released) are due and not started yet
+    idle: collections.deque[asyncio.Future[None]] = collections.deque()
     started = clock()
-    i = 0
-    while i < n:
-        due_now = min(n, int((clock() - started) * rate) + 1)
-        while i < due_now and inflight < outstanding:
-            inflight += 1
-            task = loop.create_task(one(i, started + i / rate))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            i += 1
-        if i >= n:
-            break
-        if inflight >= outstanding:
-            slot = loop.create_future()
-            await slot
-            slot = None
-        else:
-            await asyncio.sleep(max(_TICK_S, started + i / rate - clock()))
-    if n:
-        await done
+
+    async def caller() -> None:
+        nonlocal created, errors, taken
+        while True:
+            if taken < released:
+                i = taken
+                taken += 1
+            elif released >= n:
+                return
+            else:
+                wake: asyncio.Future[None] = loop.create_future()
+                idle.append(wake)
+                await wake
+                continue
+            try:
+                ok = await save(values[i])
+            except Exception:
+                errors += 1
+            else:
+                created += ok
+            latencies[i] = clock() - (started + i / rate)
+
+    callers = [loop.create_task(caller()) for _ in range(min(outstanding, n))]
+    while released < n:
+        released = min(n, int((clock() - started) * rate) + 1)
+        for _ in range(min(len(idle), released - taken)):
+            idle.popleft().set_result(None)
+        if released < n:
+            await asyncio.sleep(max(_TICK_S, started + released / rate - clock()))
+    while idle:  # nothing more to take: let them end
+        idle.popleft().set_result(None)
+    await asyncio.gather(*callers)
     return clock() - started, created, errors
 
 
@@ -1126,7 +1124,6 @@ QUICK = BenchConfig(
     concurrency=(128, 512),
     processes=(1, 2),
     rates=(20_000.0,),
-    outstanding=1024,
     zipf_values=100_000,
     uniform_values=1_000_000,
     memory_values=50_000,

@@ -157,7 +157,7 @@ def test_default_plan_holds_the_fleet_and_the_target_rows() -> None:
     assert bench.BenchConfig().requests == 1_000_000
     with_rate = bench.plan(bench.config_from_flags(rate="200k", processes="1,8"))
     opened = [(r.processes, r.concurrency, r.rate) for r in with_rate if r.rate is not None]
-    assert opened == [(1, 4096, 200_000.0)] * 2 + [(8, 4096, 200_000.0)] * 2
+    assert opened == [(1, 1024, 200_000.0)] * 2 + [(8, 1024, 200_000.0)] * 2
 
 
 @pytest.mark.parametrize(
