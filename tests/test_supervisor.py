@@ -16,10 +16,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import asyncpg
@@ -133,30 +134,57 @@ async def _scrape(svc: ServiceProcess) -> dict[str, float]:
     return parse_metrics(body.decode())
 
 
-def _kill_all(svc: ServiceProcess, pids: set[int]) -> None:
-    """Teardown: wake any stopped process, then SIGKILL the service and the workers seen."""
-    for pid in pids | {svc.proc.pid}:
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (field 22 of its stat), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+class _Seen(set[int]):
+    """Worker PIDs a test saw, with their start times: the teardown signals a PID only
+    while it still names that process (never one the system gave to another since)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started: dict[int, str | None] = {}
+
+    def add(self, pid: int) -> None:
+        self.started.setdefault(pid, _start_time(pid))
+        super().add(pid)
+
+    def __ior__(self, pids: AbstractSet[int]) -> Self:  # type: ignore[override,misc]
+        for pid in pids:
+            self.add(pid)
+        return self
+
+
+def _kill_all(svc: ServiceProcess, seen: _Seen) -> None:
+    """Teardown: wake any stopped worker, then SIGKILL it, and the service (by PID)."""
+    for pid in seen:
+        started = seen.started.get(pid)
         for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
+            if started is None or _start_time(pid) != started:
                 break
-    if svc.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+    if svc.proc.poll() is None:  # not reaped yet: the PID is still the service's
+        svc.proc.send_signal(signal.SIGCONT)
         svc.kill()
 
 
 @pytest.fixture
-def seen_pids() -> Iterator[set[int]]:
+def seen_pids() -> _Seen:
     """Worker PIDs a test saw, for the teardown (by PID, never by name)."""
-    pids: set[int] = set()
-    yield pids
+    return _Seen()
 
 
 # --------------------------------------------------------------------------- metrics
 
 
 async def test_every_scrape_shows_the_whole_service(
-    redis_url: str, pg_url: str, tmp_path: Path, seen_pids: set[int]
+    redis_url: str, pg_url: str, tmp_path: Path, seen_pids: _Seen
 ) -> None:
     svc = spawn_service(tmp_path, service_env(redis_url, pg_url), args=["--workers", "2"])
     try:
@@ -197,15 +225,13 @@ async def test_every_scrape_shows_the_whole_service(
             return (await _scrape(svc))["dedup_http_items_total"] == saves + 1
 
         await until("the new save to count", one_more)
-        metrics_dirs = [line for line in svc.log_text().splitlines() if "dedup-metrics-" in line]
-        assert metrics_dirs == []  # an implementation detail, never logged at info
         svc.terminate()
         assert await wait_exit(svc) == 0, svc.log_text()
     finally:
         _kill_all(svc, seen_pids)
 
 
-async def _replaced(svc: ServiceProcess, old: set[int], seen: set[int]) -> bool:
+async def _replaced(svc: ServiceProcess, old: set[int], seen: _Seen) -> bool:
     pid = await _healthz_pid(svc)
     if pid is None or pid in old:
         return False
@@ -213,26 +239,38 @@ async def _replaced(svc: ServiceProcess, old: set[int], seen: set[int]) -> bool:
     return _parent_pid(pid) == svc.proc.pid
 
 
-def test_the_metrics_folder_is_removed_at_exit(redis_url: str, pg_url: str, tmp_path: Path) -> None:
-    before = {p.name for p in Path(os.environ.get("TMPDIR", "/tmp")).glob("dedup-metrics-*")}
-    svc = spawn_service(tmp_path, service_env(redis_url, pg_url), args=["--workers", "2"])
-    try:
-        asyncio.run(wait_healthy(svc))
-        tmp = Path(os.environ.get("TMPDIR", "/tmp"))
-        during = {p.name for p in tmp.glob("dedup-metrics-*")} - before
-        assert len(during) == 1, during  # one fresh folder for this run
-        assert svc.stop() == 0, svc.log_text()
-        assert not (tmp / during.pop()).exists()
-    finally:
-        if svc.proc.poll() is None:
-            svc.kill()
+async def test_the_metrics_folder_is_fresh_and_removed_at_exit(
+    redis_url: str, pg_url: str, tmp_path: Path, seen_pids: _Seen
+) -> None:
+    folders = []
+    for _ in range(2):  # two runs: each gets a folder of its own
+        svc = spawn_service(tmp_path, service_env(redis_url, pg_url), args=["--workers", "2"])
+        try:
+            await wait_healthy(svc)
+            workers = await _all_answered(svc, 2)
+            seen_pids |= workers
+            environs = [Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in workers]
+            (folder,) = {
+                Path(item.split(b"=", 1)[1].decode())
+                for environ in environs
+                for item in environ
+                if item.startswith(b"PROMETHEUS_MULTIPROC_DIR=")
+            }  # one folder, shared by the workers of the run
+            assert folder.name.startswith("dedup-metrics-") and any(folder.glob("*.db"))
+            folders.append(folder)
+            svc.terminate()
+            assert await wait_exit(svc) == 0, svc.log_text()
+            assert not folder.exists()
+        finally:
+            _kill_all(svc, seen_pids)
+    assert folders[0] != folders[1]
 
 
 # ------------------------------------------------------------------------ supervisor
 
 
 async def test_a_stopped_worker_is_replaced(
-    redis_url: str, pg_url: str, tmp_path: Path, seen_pids: set[int]
+    redis_url: str, pg_url: str, tmp_path: Path, seen_pids: _Seen
 ) -> None:
     env = service_env(redis_url, pg_url, DEDUP_WORKER_TIMEOUT_S="3")
     svc = spawn_service(tmp_path, env, args=["--workers", "2"])
@@ -258,7 +296,7 @@ async def test_a_stopped_worker_is_replaced(
 
 
 async def test_workers_end_when_the_supervisor_is_killed(
-    redis_url: str, pg_url: str, tmp_path: Path, seen_pids: set[int]
+    redis_url: str, pg_url: str, tmp_path: Path, seen_pids: _Seen
 ) -> None:
     svc = spawn_service(tmp_path, service_env(redis_url, pg_url), args=["--workers", "2"])
     try:
@@ -290,7 +328,7 @@ async def _allow_connections(pg_cluster: PostgresCluster, name: str, allow: bool
 
 
 async def test_a_worker_that_cannot_start_backs_off_while_the_others_serve(
-    pg_cluster: PostgresCluster, redis_url: str, pg_url: str, tmp_path: Path, seen_pids: set[int]
+    pg_cluster: PostgresCluster, redis_url: str, pg_url: str, tmp_path: Path, seen_pids: _Seen
 ) -> None:
     """The database refuses new connections (as when max_connections is reached): the
     worker that serves keeps its connection and goes on; its killed sibling cannot open
@@ -355,7 +393,7 @@ def _json_lines(text: str) -> list[dict[str, Any]]:
 
 
 async def test_json_logs_parse_line_by_line(
-    redis_url: str, pg_url: str, tmp_path: Path, seen_pids: set[int]
+    redis_url: str, pg_url: str, tmp_path: Path, seen_pids: _Seen
 ) -> None:
     env = service_env(redis_url, pg_url, DEDUP_WORKER_TIMEOUT_S="3", DEDUP_ACCESS_LOG="true")
     svc = spawn_service(tmp_path, env, args=["--workers", "2", "--log-format", "json"])
