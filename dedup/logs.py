@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from datetime import UTC, datetime
+from types import TracebackType
 from typing import Any
 
 import orjson
@@ -53,6 +55,22 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry, default=str).decode()
 
 
+def _log_uncaught(
+    kind: type[BaseException], value: BaseException, traceback: TracebackType | None
+) -> None:
+    logging.getLogger("dedup").critical("uncaught exception", exc_info=(kind, value, traceback))
+
+
+def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_value is None or isinstance(args.exc_value, SystemExit):
+        return
+    logging.getLogger("dedup").critical(
+        "uncaught exception in thread %s",
+        getattr(args.thread, "name", "?"),
+        exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+    )
+
+
 def setup_logging(level: str, log_format: str = "text") -> None:
     """Log to stderr at ``level``, as text (with the PID) or one JSON object per line.
 
@@ -71,5 +89,9 @@ def setup_logging(level: str, log_format: str = "text") -> None:
             root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    if log_format == "json":
+        # An exception nobody caught is a record too, not a bare traceback on stderr.
+        sys.excepthook = _log_uncaught
+        threading.excepthook = _log_uncaught_in_thread
     # Alembic narrates every step of the embedded default's migration at INFO.
     logging.getLogger("alembic").setLevel(max(logging.WARNING, root.level))

@@ -435,6 +435,14 @@ def test_json_log_keeps_a_traceback_in_one_line(tmp_path: Path) -> None:
     assert record["logger"] == "dedup.test" and record["worker"] == 3
     assert "Traceback" in record["exception"] and "ValueError: boom" in record["exception"]
 
+    uncaught = "from dedup.logs import setup_logging\nsetup_logging('info', 'json')\n1 / 0\n"
+    run = subprocess.run(
+        [sys.executable, "-c", uncaught], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 1
+    (record,) = _json_lines(run.stderr)
+    assert record["level"] == "critical" and "ZeroDivisionError" in record["exception"]
+
 
 def test_serve_startup_error_is_json_too(redis_url: str, pg_empty_url: str) -> None:
     env = service_env(redis_url, pg_empty_url)  # not migrated: serve refuses to start
