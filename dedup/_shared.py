@@ -115,6 +115,9 @@ class SharedWrites:
         # A writer with fewer rows than this waits ``linger_s`` once for more.
         self._fill = max(1, batch_rows // 2)
         self._linger_s = linger_s
+        # Two statements overlap: one pops and fills while the other waits for its
+        # commit, which halves a row's wait and keeps statements few.
+        self._statements = asyncio.Semaphore(2)
         self._lease_s = lease_s
         self._write_timeout_s = write_timeout_s
         prefix = namespace + ":{w}:"  # one hash tag: every shared key in one slot
@@ -269,7 +272,16 @@ class SharedWrites:
             log.info("shared writes: this gateway writes for the fleet (fence %s)", lease.fence)
             try:
                 while not lease.lost.is_set() and not self._stopping and self._usable():
-                    await self._drain_once()
+                    await self._statements.acquire()  # a slot, before popping rows for it
+                    try:
+                        rows = await self._pop()
+                    except BaseException:
+                        self._statements.release()
+                        raise
+                    if rows:
+                        self._spawn(self._write_in_slot(rows))
+                    else:
+                        self._statements.release()
             except (RedisError, OSError) as exc:
                 self._redis_failed(exc)
                 await asyncio.sleep(0.2)
@@ -281,14 +293,22 @@ class SharedWrites:
                     except Exception:  # the lease expires on its own
                         log.debug("could not release the writer lease", exc_info=True)
 
-    async def _drain_once(self) -> None:
-        """One statement's worth of queued rows: wait for some, top up once, write."""
+    async def _write_in_slot(self, rows: list[bytes]) -> None:
+        try:
+            await self._write(rows)
+        except (RedisError, OSError) as exc:
+            self._redis_failed(exc)
+        finally:
+            self._statements.release()
+
+    async def _pop(self) -> list[bytes]:
+        """One statement's worth of queued rows: wait for some, top up once."""
         got: Any = await self._client.blmpop(
             _POP_BLOCK_S, 1, self._queue_key.decode(), direction="LEFT", count=self._batch_rows
         )
         self._stats.redis_round_trips += 1
         if not got:
-            return
+            return []
         rows: list[bytes] = list(got[1])
         if len(rows) < self._fill:
             # Let the statement fill: the fleet's winners keep arriving meanwhile.
@@ -297,7 +317,7 @@ class SharedWrites:
             self._stats.redis_round_trips += 1
             if more:
                 rows.extend(more)
-        await self._write(rows)
+        return rows
 
     async def _write(self, raw: list[bytes]) -> None:
         """One sorted INSERT of the queued rows, the markers, then each claimant's word."""
