@@ -23,6 +23,7 @@ from dedup.claims import Claims, probe_write, unwritable_reason
 from dedup.errors import ConfigError
 from dedup.keys import KeySpace, MarkerLayout, digest
 from dedup.metrics import Stats
+from dedup.scripts import CLAIM_BLOOM, CLAIM_COMPACT, COMMIT_BLOOM, COMMIT_COMPACT
 from tests.servers import RedisServer
 from tests.test_cluster import cluster  # noqa: F401 (the fixture)
 
@@ -141,6 +142,11 @@ async def test_old_layout_unchanged(client: Redis) -> None:
     assert 0 < await client.pttl(keys[0]) <= 60_000
     assert await gw.abort(keys[1:]) == 1
     assert await client.exists(keys[1]) == 0
+
+
+def test_new_scripts_have_headers() -> None:
+    for source in (CLAIM_COMPACT, COMMIT_COMPACT, CLAIM_BLOOM, COMMIT_BLOOM):
+        assert "-- KEYS:" in source and "-- ARGV" in source and "-- Returns:" in source
 
 
 def test_bad_layouts_are_refused() -> None:
