@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoPermissionError, RedisError
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
 from dedup.claims import Claims, connect_redis, unsafe_policies
 from dedup.embedded import DataDirLock, EmbeddedRedis
@@ -94,7 +94,9 @@ class Backends:
         try:
             await self.check_redis()
         except Unavailable as exc:
-            if options.require_redis or options.embedded_redis:
+            # Wrong credentials are a mistake to fix, not an outage to ride out.
+            refused = isinstance(exc.__cause__, AuthenticationError)
+            if options.require_redis or options.embedded_redis or refused:
                 raise
             self.redis_down_at_open = str(exc)
             log.warning("%s: starting degraded (require_redis=False)", exc)

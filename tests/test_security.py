@@ -54,16 +54,40 @@ CLI_TIMEOUT_S = 60.0
 # The minimal command set dedup needs as an ACL user (README, "Security"): INFO for the
 # eviction guard, EVALSHA / SCRIPT LOAD for the claim scripts and the commands they run,
 # PING for /readyz, on the keys of its namespace only.
-MINIMAL_ACL = (
-    "~dedup:*",
-    "+evalsha",
-    "+script|load",
-    "+info",
-    "+ping",
-    "+get",
-    "+set",
-    "+pexpire",
-    "+del",
+MINIMAL_ACL = tuple(
+    # The README's minimal user, word for word (a test of the documentation too).
+    [
+        "~dedup:*",
+        "&dedup:*",
+        "+evalsha",
+        "+script|load",
+        "+info",
+        "+ping",
+        "+get",
+        "+set",
+        "+pexpire",
+        "+pexpireat",
+        "+pttl",
+        "+del",
+        "+exists",
+        "+type",
+        "+time",
+        "+hget",
+        "+hset",
+        "+hexists",
+        "+hincrby",
+        "+getbit",
+        "+setbit",
+        "+zadd",
+        "+zcard",
+        "+zrem",
+        "+zremrangebyscore",
+        "+rpush",
+        "+lpop",
+        "+blmpop",
+        "+publish",
+        "+subscribe",
+    ]
 )
 
 
@@ -192,7 +216,7 @@ async def test_rediss_tls(tmp_path: Path, pg_url: str) -> None:
         no_client_cert = f"rediss://127.0.0.1:{server.port}/0?ssl_ca_certs={certs.ca}"
         for bad in (plain, no_ca, no_client_cert):
             with pytest.raises(Unavailable) as caught:
-                async with Gateway(bad, pg_url, redis_timeout_s=2.0):
+                async with Gateway(bad, pg_url, redis_timeout_s=2.0, require_redis=True):
                     pass
             assert caught.value.component == "redis", caught.value
         assert "CERTIFICATE_VERIFY_FAILED" in await open_error(no_ca, pg_url)
@@ -208,7 +232,7 @@ async def test_rediss_tls(tmp_path: Path, pg_url: str) -> None:
 async def open_error(url: str, pg_url: str, **options: Any) -> str:
     """The message of the error that opening a Gateway on ``url`` raises."""
     try:
-        async with Gateway(url, pg_url, redis_timeout_s=2.0, **options):
+        async with Gateway(url, pg_url, redis_timeout_s=2.0, require_redis=True, **options):
             pass
     except (Unavailable, ConfigError) as exc:
         return str(exc)
@@ -232,6 +256,11 @@ async def run_cli(
 
 
 # --------------------------------------------------------------------------------- ACL
+
+
+def test_readme_names_the_minimal_acl_user() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert "ACL SETUSER dedup on >PASSWORD " + " ".join(MINIMAL_ACL) + "\n" in readme
 
 
 async def test_redis_acl_user(fresh_redis: RedisServer, pg_url: str) -> None:
@@ -317,11 +346,26 @@ async def test_secrets_never_in_logs_or_error_messages(
         assert "could not migrate" in migrate.stderr or "percent-encode" in migrate.stderr
         texts += [migrate.stdout, migrate.stderr]
     for redis_url_, db_url in ((secret_redis, pg_url), (redis_url, secret_pg), (raw_redis, pg_url)):
-        env = service_env(redis_url_, db_url, DEDUP_AUTH_TOKEN=TOKEN, DEDUP_LOG_LEVEL="debug")
+        env = service_env(
+            redis_url_, db_url, DEDUP_AUTH_TOKEN=TOKEN, DEDUP_LOG_LEVEL="debug",
+            DEDUP_REQUIRE_REDIS="true",
+        )  # fmt: skip
         svc = spawn_service(tmp_path, env)
         status = await wait_exit(svc, timeout=CLI_TIMEOUT_S)
         assert status != 0
         texts.append(svc.log_text())
+    # Without require_redis it serves degraded, and logs every failed probe: no secret.
+    env = service_env(secret_redis, pg_url, DEDUP_AUTH_TOKEN=TOKEN, DEDUP_LOG_LEVEL="debug")
+    svc = spawn_service(tmp_path, env)
+    try:
+        deadline = asyncio.get_running_loop().time() + CLI_TIMEOUT_S
+        while "Redis probe failed" not in svc.log_text():
+            assert asyncio.get_running_loop().time() < deadline, svc.log_text()
+            await asyncio.sleep(0.1)
+    finally:
+        svc.stop()
+    assert "starting degraded" in svc.log_text()
+    texts.append(svc.log_text())
 
     assert all(texts[:5]) and "***" in texts[0]
     pieces = [p for p in re.split(r"[/@]", PASSWORD) if len(p) >= 2]

@@ -323,6 +323,7 @@ async def test_overloaded_429_and_wait_timeout_503(
         redis_url,
         pg_url,
         DEDUP_MAX_PENDING="1",
+        DEDUP_MAX_BATCH="1",
         DEDUP_WAIT_TIMEOUT_S="0.3",
         DEDUP_RETRY_AFTER_S="7",
     )
