@@ -23,10 +23,19 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from dedup._batcher import Batcher
 from dedup._flights import Flight, FlightTable
 from dedup.breaker import CircuitBreaker
+from dedup.claims import unwritable_reason
 from dedup.errors import Overloaded
 from dedup.metrics import Stats
 
-__all__ = ["DegradedMode"]
+__all__ = ["REASONS", "DegradedMode"]
+
+REASONS = {
+    "unreachable": "is unreachable or too slow",
+    "oom": "is full (maxmemory reached, noeviction)",
+    "readonly": "is read-only (a replica, as after a failover)",
+    "misconf": "refuses writes (MISCONF: snapshots failing)",
+}
+"""Why Redis can be skipped: the reason codes of ``/readyz``, the metrics and the logs."""
 
 log = logging.getLogger("dedup")
 
@@ -94,7 +103,7 @@ class DegradedMode:
         self._timer: asyncio.TimerHandle | None = None
         self.queue: list[Flight] = []
         self.reason = ""
-        """Why Redis is skipped (empty while the circuit is closed)."""
+        """Why Redis is skipped, one of :data:`REASONS` (empty while the circuit is closed)."""
         self._write_alone: WriteAlone | None = None
         self._on_error: OnError | None = None
         self._claims: Batcher | None = None
@@ -125,25 +134,37 @@ class DegradedMode:
         False (a readiness PING with its own short bound). Errors Redis answered with
         (a script error, say) prove it is up and do not count.
         """
+        refused = unwritable_reason(exc)
+        if refused is not None:
+            # Up, but it cannot take writes (full, a replica, failing snapshots): every
+            # claim would fail alike, so the database decides until a write succeeds.
+            if self.breaker.closed:
+                self.breaker.trip()
+                self.opened(refused, repr(exc))
+            return True
         timeout = isinstance(exc, RedisTimeoutError | TimeoutError)
         unreachable = timeout or isinstance(exc, RedisConnectionError | OSError)
         if unreachable and self.breaker.failure(timeout=timeout and may_time_out):
-            self.opened(f"unreachable: {exc!r}")
+            self.opened("unreachable", repr(exc))
         return not self.breaker.closed
 
-    def opened(self, reason: str) -> None:
+    def opened(self, reason: str, detail: str) -> None:
         """The circuit has just opened (or starts open): count it, say why, probe."""
         self._stats.breaker_opens += 1
         self.reason = reason
-        log.warning("Redis %s: circuit open, serving through the database alone", reason)
+        log.warning(
+            "Redis %s (%s): circuit open, serving through the database alone",
+            REASONS.get(reason, reason),
+            detail,
+        )
         if not self._probing:
             self._probing = True
             self._spawn(self._probe())
 
-    def start_open(self, reason: str) -> None:
+    def start_open(self, detail: str) -> None:
         """Open the circuit before the first call (Redis was down at start)."""
         self.breaker.trip()
-        self.opened(reason)
+        self.opened("unreachable", f"at start: {detail}")
 
     async def _probe(self) -> None:
         """While the circuit is open: one probe per cooldown until Redis serves again."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -24,7 +25,8 @@ from dedup._shared import SharedWrites
 from dedup._wait_queue import WaitQueue
 from dedup._write_stage import WriteStage
 from dedup.breaker import CircuitBreaker
-from dedup.errors import ConfigError, DedupError
+from dedup.claims import per_node, probe_write
+from dedup.errors import ConfigError, DedupError, Unavailable
 from dedup.local import SavedCache
 from dedup.metrics import Stats
 from dedup.options import GatewayOptions
@@ -34,6 +36,9 @@ __all__ = ["Engine"]
 log = logging.getLogger("dedup")
 
 _CLOSED = "the Gateway was closed before this save finished"
+
+OOM_HEADROOM = 0.9
+"""After ``oom``, the circuit closes only once Redis uses at most this share of maxmemory."""
 
 
 class Engine:
@@ -158,7 +163,7 @@ class Engine:
             self.claim_stage.shared = self.shared
             self.shared.start()
         if backends.redis_down_at_open:
-            self.degraded.start_open(f"unreachable at start: {backends.redis_down_at_open}")
+            self.degraded.start_open(backends.redis_down_at_open)
 
     # Bound methods rather than the stages' own, so the queues can be built first.
     async def _send_claims(self, batch: list[Flight]) -> None:
@@ -179,7 +184,18 @@ class Engine:
             return
         client = backends.redis
         assert client is not None
-        await asyncio.wait_for(client.ping(), self._options.redis_timeout_s)
+        # A write, not a PING: a full, read-only or MISCONF Redis answers PING.
+        await asyncio.wait_for(
+            probe_write(client, self._options.namespace), self._options.redis_timeout_s
+        )
+        if self.degraded.reason == "oom":
+            # A tiny probe fits in the last bytes below maxmemory, a claim batch may
+            # not: close only with headroom, or the circuit flaps at the limit.
+            info: Any = await asyncio.wait_for(client.info("memory"), self._options.redis_timeout_s)
+            for node in per_node(info):
+                limit = int(node.get("maxmemory", 0))
+                if limit and int(node.get("used_memory", 0)) > limit * OOM_HEADROOM:
+                    raise Unavailable("Redis is still nearly full", component="redis")
 
     def spawn(self, coro: Awaitable[None]) -> None:
         """Run ``coro`` as a task owned by the engine (cancelled at :meth:`stop`)."""

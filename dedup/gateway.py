@@ -231,7 +231,8 @@ class Gateway:
 
     @property
     def degraded_reason(self) -> str:
-        """Why Redis is skipped (empty while it is not): unreachable, full, read-only..."""
+        """Why Redis is skipped (empty while it is not): ``unreachable``, ``oom`` (full),
+        ``readonly`` (a replica) or ``misconf`` (snapshots failing)."""
         return self._engine.degraded.reason if self.degraded and self._engine else ""
 
     @property

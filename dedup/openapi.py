@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, get_args
 
+from dedup._degraded import REASONS
 from dedup.keys import KIND_PATTERN, MAX_KIND_CHARS
 from dedup.types import Source
 
@@ -229,6 +230,7 @@ def openapi_document(
                     "description": (
                         "`degraded` is true while Redis is skipped (down or slow: the circuit "
                         "is open) and saves go through the database's unique key alone; "
+                        "`reason` says why (unreachable, oom, readonly or misconf); "
                         "`checks` tells which server answered."
                     ),
                     "security": [],
@@ -372,6 +374,10 @@ def openapi_document(
                     "properties": {
                         "ready": {"const": True},
                         "degraded": {"type": "boolean"},
+                        "reason": {
+                            "description": "Why Redis is skipped (only while degraded).",
+                            "enum": list(REASONS),
+                        },
                         "checks": {"$ref": "#/components/schemas/Checks"},
                     },
                 },

@@ -351,9 +351,12 @@ async def _readyz(request: web.Request) -> web.Response:
             headers=state.retry_after,
             checks=checks,
         )
-    degraded = state.gateway.degraded
+    gateway = state.gateway
+    ready = {"ready": True, "degraded": gateway.degraded, "checks": checks}
+    if gateway.degraded:
+        ready["reason"] = gateway.degraded_reason  # unreachable, oom, readonly or misconf
     return web.Response(
-        body=orjson.dumps({"ready": True, "degraded": degraded, "checks": checks}),
+        body=orjson.dumps(ready),
         content_type=_JSON,
     )
 
@@ -361,7 +364,9 @@ async def _readyz(request: web.Request) -> web.Response:
 async def _metrics(request: web.Request) -> web.Response:
     state = _state(request)
     gw = state.gateway
-    body = state.metrics.render(gw.stats(), pending=gw.pending, degraded=gw.degraded)
+    body = state.metrics.render(
+        gw.stats(), pending=gw.pending, degraded=gw.degraded, reason=gw.degraded_reason
+    )
     return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
@@ -398,7 +403,12 @@ async def _push_metrics(state: _State) -> None:
     while True:
         await asyncio.sleep(PUSH_INTERVAL_S)
         try:
-            state.metrics.flush(gateway.stats(), pending=gateway.pending, degraded=gateway.degraded)
+            state.metrics.flush(
+                gateway.stats(),
+                pending=gateway.pending,
+                degraded=gateway.degraded,
+                reason=gateway.degraded_reason,
+            )
         except Exception:  # a metrics failure must not end the worker; try again later
             log.exception("pushing the metrics failed")
 

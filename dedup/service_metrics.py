@@ -22,6 +22,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from dedup._degraded import REASONS
 from dedup.metrics import Stats
 from dedup.openapi import BATCH_PATH, SAVE_PATH, SOURCES
 
@@ -137,6 +138,15 @@ class ServiceMetrics:
             multiprocess_mode="livemax",
             registry=own,
         )
+        reasons = Gauge(
+            "dedup_degraded_reason",
+            "1 for the reason a worker skips Redis: unreachable, oom (full), readonly (a "
+            "replica) or misconf (snapshots failing); the largest over the live workers.",
+            ["reason"],
+            multiprocess_mode="livemax",
+            registry=own,
+        )
+        self._reasons = {reason: reasons.labels(reason) for reason in REASONS}
         # min: the first worker's start, i.e. when this run's counters started from zero.
         start = Gauge(
             "process_start_time_seconds",
@@ -165,7 +175,7 @@ class ServiceMetrics:
         """Count one accepted batch request of ``items`` items."""
         self._batch_items.observe(items)
 
-    def flush(self, stats: Stats, *, pending: int, degraded: bool) -> None:
+    def flush(self, stats: Stats, *, pending: int, degraded: bool, reason: str = "") -> None:
         """Push what was counted since the last flush, and the gauges' values now."""
         for key, n in self.responses.items():
             delta = n - self._pushed_responses.get(key, 0)
@@ -188,9 +198,11 @@ class ServiceMetrics:
                 counter.inc(delta)
         self._pending.set(pending)
         self._degraded.set(int(degraded))
+        for code, gauge in self._reasons.items():
+            gauge.set(int(code == reason))
 
-    def render(self, stats: Stats, *, pending: int, degraded: bool) -> bytes:
+    def render(self, stats: Stats, *, pending: int, degraded: bool, reason: str = "") -> bytes:
         """The Prometheus text exposition (format 0.0.4): this process's latest counts
         first flushed, then every worker's merged (or this process's alone)."""
-        self.flush(stats, pending=pending, degraded=degraded)
+        self.flush(stats, pending=pending, degraded=degraded, reason=reason)
         return generate_latest(self._registry)
