@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
+from dedup.bloom import BloomSpec
 from dedup.claims import Claims, connect_redis, unsafe_policies
 from dedup.embedded import DataDirLock, EmbeddedRedis
 from dedup.errors import ConfigError, DedupError, Unavailable
@@ -106,6 +107,15 @@ class Backends:
             retention_ms=options.retention_ms,
             stats=self._stats,
             max_parallel=connections - 4,
+            layout=options.marker_layout,
+            marker_buckets=options.marker_buckets,
+            cluster_shards=options.shards,
+            marker_generations=options.marker_generations,
+            approximate=(
+                BloomSpec(options.approximate_values, options.approximate_fp_rate)
+                if options.approximate_values
+                else None
+            ),
         )
         if options.sink is not None:
             self.sink = options.sink

@@ -115,6 +115,9 @@ class EmbeddedRedis:
             "--save", "",
             "--appendonly", "no",
             "--maxmemory-policy", "noeviction",
+            # Marker buckets stay compact (listpack) up to 512 fields; the old name is
+            # the one every Redis 6 and 7 reads.
+            "--hash-max-ziplist-entries", "512",
             "--dir", str(self.data_dir),
             "--logfile", str(log),
             "--daemonize", "no",

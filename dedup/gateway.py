@@ -106,37 +106,15 @@ class Gateway:
         degraded_queue_timeout_s: float = 1.0,
         shared_writes: str = "auto",
         shared_linger_ms: float = 2.0,
+        marker_layout: str = "compact",
+        marker_buckets: int = 65536,
+        marker_generations: int = 2,
+        approximate_values: int = 0,
+        approximate_fp_rate: float = 0.01,
     ) -> None:
-        self.options = options = GatewayOptions(
-            redis_url=redis_url,
-            database_url=database_url,
-            sink=sink,
-            namespace=namespace,
-            lease_ms=lease_ms,
-            wait_timeout_s=wait_timeout_s,
-            write_timeout_ms=write_timeout_ms,
-            local_cache_size=local_cache_size,
-            max_batch=max_batch,
-            max_claim_batches=max_claim_batches,
-            max_write_batches=max_write_batches,
-            max_pending=max_pending,
-            redis_timeout_s=redis_timeout_s,
-            retention_s=retention_s,
-            max_value_bytes=max_value_bytes,
-            max_payload_bytes=max_payload_bytes,
-            data_dir=data_dir,
-            migrate=migrate,
-            allow_eviction=allow_eviction,
-            require_redis=require_redis,
-            cluster_shards=cluster_shards,
-            breaker_failures=breaker_failures,
-            breaker_cooldown_s=breaker_cooldown_s,
-            degraded_max_statements=degraded_max_statements,
-            degraded_max_queue=degraded_max_queue,
-            degraded_queue_timeout_s=degraded_queue_timeout_s,
-            shared_writes=shared_writes,
-            shared_linger_ms=shared_linger_ms,
-        )
+        # Every keyword is an option of the same name: one place checks them all.
+        chosen = {name: value for name, value in locals().items() if name != "self"}
+        self.options = options = GatewayOptions(**chosen)
         """The checked options (:class:`dedup.options.GatewayOptions`)."""
         try:
             self._keys = KeySpace(namespace, cluster_shards=options.shards)

@@ -78,6 +78,11 @@ class GatewayOptions:
     degraded_queue_timeout_s: float = 1.0
     shared_writes: str = "auto"
     shared_linger_ms: float = 2.0
+    marker_layout: str = "compact"
+    marker_buckets: int = 65536
+    marker_generations: int = 2
+    approximate_values: int = 0
+    approximate_fp_rate: float = 0.01
 
     def __post_init__(self) -> None:
         if self.sink is not None and self.database_url is not None:
@@ -123,6 +128,18 @@ class GatewayOptions:
             raise ConfigError(
                 f"shared_linger_ms must be a number from 0 to 1000, got {self.shared_linger_ms!r}"
             )
+        if self.marker_layout not in ("compact", "keys"):
+            raise ConfigError("marker_layout must be compact or keys")
+        _whole(self, "marker_buckets", 1)
+        if self.marker_buckets > 1 << 24:
+            raise ConfigError(f"marker_buckets must be at most {1 << 24}")
+        _whole(self, "marker_generations", 2)
+        _whole(self, "approximate_values", 0)
+        _positive(self, "approximate_fp_rate")
+        if self.approximate_fp_rate >= 0.5:
+            raise ConfigError("approximate_fp_rate must be below 0.5")
+        if self.approximate_values and self.marker_layout != "compact":
+            raise ConfigError("approximate mode replaces the markers: use marker_layout='compact'")
         if self.max_batch > self.max_pending:
             # A single batch could never be admitted.
             raise ConfigError(

@@ -79,6 +79,11 @@ class Settings:
     degraded_queue_timeout_s: float = 1.0
     shared_writes: str = "auto"
     shared_linger_ms: float = 2.0
+    marker_layout: str = "compact"
+    marker_buckets: int = 65536
+    marker_generations: int = 2
+    approximate_values: int = 0
+    approximate_fp_rate: float = 0.01
 
     def __post_init__(self) -> None:
         for f in fields(self):
