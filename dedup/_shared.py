@@ -112,12 +112,15 @@ class SharedWrites:
         self._usable = usable
         self._spawn = spawn
         self._batch_rows = batch_rows
-        # A writer with fewer rows than this waits ``linger_s`` once for more.
+        # A busy writer with fewer rows than this tops up every ``linger_s``.
         self._fill = max(1, batch_rows // 2)
         self._linger_s = linger_s
-        # Two statements overlap: one pops and fills while the other waits for its
-        # commit, which halves a row's wait and keeps statements few.
+        # Two statements overlap: one fills while the other waits for its commit. Like
+        # the per-process batcher, an idle writer sends at once and a busy one lingers
+        # for a fuller statement, so statements stay few under load and waits short.
         self._statements = asyncio.Semaphore(2)
+        self._writing = 0
+        self._popping = False
         self._lease_s = lease_s
         self._write_timeout_s = write_timeout_s
         prefix = namespace + ":{w}:"  # one hash tag: every shared key in one slot
@@ -149,10 +152,15 @@ class SharedWrites:
         self._spawn(self._stand())
 
     async def stop(self) -> None:
-        """Leave the fleet (best effort); the engine cancels the tasks."""
+        """Stop popping, let the statements in flight finish (bounded), leave the fleet;
+        the engine then cancels the tasks. A writer that stops mid-statement would leave
+        its rows to their claimants, a lease later."""
         self._stopping = True
         if self._mode == "off":
             return
+        deadline = self._loop.time() + self._write_timeout_s + 1
+        while (self._writing or self._popping) and self._loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
         with contextlib.suppress(RedisError, OSError, TimeoutError):  # it expires anyway
             await asyncio.wait_for(_LEAVE(self._client, [self._fleet_key], [self.gateway_id]), 1)
 
@@ -273,12 +281,16 @@ class SharedWrites:
             try:
                 while not lease.lost.is_set() and not self._stopping and self._usable():
                     await self._statements.acquire()  # a slot, before popping rows for it
+                    self._popping = True
                     try:
                         rows = await self._pop()
                     except BaseException:
                         self._statements.release()
                         raise
+                    finally:
+                        self._popping = False
                     if rows:
+                        self._writing += 1  # now, so that stop() waits for it
                         self._spawn(self._write_in_slot(rows))
                     else:
                         self._statements.release()
@@ -299,10 +311,12 @@ class SharedWrites:
         except (RedisError, OSError) as exc:
             self._redis_failed(exc)
         finally:
+            self._writing -= 1
             self._statements.release()
 
     async def _pop(self) -> list[bytes]:
-        """One statement's worth of queued rows: wait for some, top up once."""
+        """One statement's worth of queued rows: wait for some; while another statement
+        is in flight, top up every ``linger_s`` until half full or that one ends."""
         got: Any = await self._client.blmpop(
             _POP_BLOCK_S, 1, self._queue_key.decode(), direction="LEFT", count=self._batch_rows
         )
@@ -310,7 +324,7 @@ class SharedWrites:
         if not got:
             return []
         rows: list[bytes] = list(got[1])
-        if len(rows) < self._fill:
+        while self._writing and len(rows) < self._fill:
             # Let the statement fill: the fleet's winners keep arriving meanwhile.
             await asyncio.sleep(self._linger_s)
             more: Any = await self._client.lpop(self._queue_key, self._batch_rows - len(rows))
