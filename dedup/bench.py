@@ -1,63 +1,49 @@
 """``dedup bench``: dedup against the textbook pattern and the database alone, from one
 process to a fleet of them.
 
-Strategies, each on the same stream, Redis and PostgreSQL, with the Redis keys and
-rows of earlier runs removed between runs (only the bench's own):
+Strategies (``textbook``, ``redis-lock``, ``db-only``, ``dedup``), each on the same
+stream, Redis and PostgreSQL, with the Redis keys and rows of earlier runs removed
+between runs (only the bench's own). This module is the plan (:class:`BenchConfig`,
+:func:`plan`), the driver (:func:`run_bench`, :func:`bench_command`) and the report (the
+table, the JSON and the chart); the rest is in:
 
-- ``textbook``: per request GET the saved marker, SET NX PX a lock, re-check,
-  INSERT one row, SET the marker, release with a compare-and-delete script;
-- ``redis-lock``: redis-py's ``Lock`` around the re-check and the insert, with the marker;
-- ``db-only``: no Redis; an in-process LRU and singleflight, and one sorted multi-row
-  ``INSERT ... ON CONFLICT DO NOTHING`` per event-loop tick;
-- ``dedup``: the :class:`~dedup.Gateway`.
-
-Every run is one or more OS processes (``python -c ...bench._worker_main``), each with
-its round-robin share of the stream and of the callers, started together. A closed
-loop keeps ``concurrency`` callers busy; an open loop (``rate``) offers requests on a
-fixed timetable and measures latency from each request's scheduled time. The parent
-merges the processes' raw latencies (real percentiles), sums their CPU time
-(``getrusage`` around the run) and reads the servers' own counts: Redis round trips
-from ``INFO commandstats``, transactions from ``pg_stat_database``, and the CPU time of
-the redis-server and PostgreSQL processes when the bench started them.
+- :mod:`dedup._bench_strategies`: the strategies and :func:`run_one`, one run in one
+  process, closed or open loop, with every request's latency;
+- :mod:`dedup._bench_procs`: the OS processes of a run, their merged latencies and
+  summed CPU, the servers' own counts (``INFO commandstats``, ``pg_stat_database``,
+  ``/proc``), and the reset between runs;
+- :mod:`dedup._bench_memory`: Redis bytes per saved value, of the gateway and of each
+  marker layout.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import contextlib
 import csv
 import json
 import math
 import os
 import random
-import re
 import resource
-import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import tracemalloc
 from array import array
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import asyncpg
-from redis.asyncio import ConnectionPool, Redis
 
-from dedup import Gateway
-from dedup.claims import unlink_matching
+from dedup._bench_memory import gateway_memory
+from dedup._bench_procs import ServerPids, count_rows, reset, run_processes, value_of
+from dedup._bench_strategies import KIND, PER_REQUEST, STRATEGIES, percentiles, run_one
 from dedup.demo import make_stream
 from dedup.errors import DedupError
 from dedup.keys import digest
-from dedup.local import SavedCache
 from dedup.loop import run as run_loop
-from dedup.servers import _descendants
-from dedup.store import keep_session
 
 __all__ = [
     "PER_REQUEST",
@@ -75,39 +61,10 @@ __all__ = [
     "run_one",
 ]
 
-KIND = "bench"
-STRATEGIES = ("textbook", "redis-lock", "db-only", "dedup")
-# One Redis lock per request: far too slow for the fleet sweep, and they add nothing
-# to it; they run in one process, on every workload, at the first concurrency.
-PER_REQUEST = ("textbook", "redis-lock")
 WORKLOADS = ("zipf", "uniform")
-
-INSERT_ONE = """
-INSERT INTO dedup_items (kind, digest, value) VALUES ($1, $2, $3)
-ON CONFLICT (kind, digest) DO NOTHING
-"""
-INSERT_MANY = """
-INSERT INTO dedup_items (kind, digest, value)
-SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[])
-ON CONFLICT (kind, digest) DO NOTHING
-RETURNING digest
-"""
-COUNT_ROWS = "SELECT count(*) FROM dedup_items WHERE kind = $1"
-XACTS = (
-    "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()"
-)
-
-RELEASE = """
--- KEYS[1]: the lock key; ARGV[1]: the holder's token
--- Returns: 1 if the lock was ours and is deleted, else 0
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-# The open loop's timetable is kept by a dispatcher that wakes at least this often
-# (never busy-waits: that would count as the gateway's CPU).
-_TICK_S = 0.001
-_WORKER_TIMEOUT_S = 3600.0
+# The names these had before the bench was split into modules (bench/profile_gateway.py
+# and the tests use them).
+_percentiles, _reset, _count_rows, _value_of = percentiles, reset, count_rows, value_of
 
 
 @dataclass
@@ -262,419 +219,7 @@ class RunResult:
         }
 
 
-# ----------------------------------------------------------------------------- strategies
-
-
-class _Counter:
-    """Client-side counts shared by a strategy's requests."""
-
-    def __init__(self) -> None:
-        self.redis = 0
-        self.statements = 0
-        self.rows_sent = 0
-
-
-Saver = Callable[[str], Awaitable[bool]]
-
-
-async def _textbook(r: Redis, pool: asyncpg.Pool, c: _Counter, ns: str) -> Saver:
-    release = r.register_script(RELEASE)
-
-    async def save(value: str) -> bool:
-        d = digest(value)
-        saved, lock = f"{ns}:s:".encode() + d, f"{ns}:l:".encode() + d
-        while True:
-            c.redis += 1
-            if await r.get(saved):
-                return False
-            token = secrets.token_hex(8)
-            c.redis += 1
-            if await r.set(lock, token, nx=True, px=5000):
-                try:
-                    c.redis += 1
-                    if await r.get(saved):  # saved while we took the lock
-                        return False
-                    c.statements += 1
-                    c.rows_sent += 1
-                    status = await pool.execute(INSERT_ONE, KIND, d, value)
-                    c.redis += 1
-                    await r.set(saved, b"1")
-                    return bool(status == "INSERT 0 1")
-                finally:
-                    c.redis += 1
-                    await release(keys=[lock], args=[token])
-            await asyncio.sleep(0.001 + random.random() * 0.002)
-
-    return save
-
-
-async def _redis_lock(r: Redis, pool: asyncpg.Pool, c: _Counter, ns: str) -> Saver:
-    async def save(value: str) -> bool:
-        d = digest(value)
-        saved = f"{ns}:s:".encode() + d
-        c.redis += 1
-        if await r.get(saved):
-            return False
-        lock = r.lock(f"{ns}:l:".encode() + d, timeout=5, sleep=0.002, blocking_timeout=30)
-        c.redis += 1  # acquire (plus one per retry, counted by the server only)
-        async with lock:
-            c.redis += 1
-            if await r.get(saved):
-                c.redis += 1  # release
-                return False
-            c.statements += 1
-            c.rows_sent += 1
-            status = await pool.execute(INSERT_ONE, KIND, d, value)
-            c.redis += 2  # marker + release
-            await r.set(saved, b"1")
-        return bool(status == "INSERT 0 1")
-
-    return save
-
-
-class _DbOnly:
-    """The strongest Redis-free baseline: LRU + singleflight + one sorted INSERT per tick."""
-
-    def __init__(self, pool: asyncpg.Pool, c: _Counter, max_batch: int = 512) -> None:
-        self.pool, self.c, self.max_batch = pool, c, max_batch
-        self.local = SavedCache(100_000)
-        self.inflight: dict[bytes, asyncio.Future[bool]] = {}
-        self.queue: list[tuple[bytes, str]] = []
-        self.scheduled = False
-        self.running = 0
-        self.tasks: set[asyncio.Task[None]] = set()
-
-    async def save(self, value: str) -> bool:
-        d = digest(value)
-        if (KIND, d) in self.local:
-            return False
-        fut = self.inflight.get(d)
-        if fut is not None:
-            await asyncio.shield(fut)
-            return False
-        fut = asyncio.get_running_loop().create_future()
-        self.inflight[d] = fut
-        self.queue.append((d, value))
-        if not self.scheduled:
-            self.scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
-        return await asyncio.shield(fut)
-
-    def flush(self) -> None:
-        self.scheduled = False
-        while self.queue and self.running < 4:
-            batch, self.queue = self.queue[: self.max_batch], self.queue[self.max_batch :]
-            self.running += 1
-            task = asyncio.get_running_loop().create_task(self.write(batch))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-
-    async def write(self, batch: list[tuple[bytes, str]]) -> None:
-        try:
-            batch.sort()
-            self.c.statements += 1
-            self.c.rows_sent += len(batch)
-            try:
-                recs = await self.pool.fetch(
-                    INSERT_MANY, [KIND] * len(batch), [d for d, _ in batch], [v for _, v in batch]
-                )
-            except Exception as exc:
-                for d, _ in batch:
-                    self.inflight.pop(d).set_exception(exc)
-                return
-            inserted = {bytes(rec[0]) for rec in recs}
-            for d, _ in batch:
-                self.local.add(KIND, d)
-                self.inflight.pop(d).set_result(d in inserted)
-        finally:
-            self.running -= 1
-            if self.queue and not self.scheduled:
-                self.scheduled = True
-                asyncio.get_running_loop().call_soon(self.flush)
-
-
-# ------------------------------------------------------------------------------ one run
-
-
-def _own_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-async def _closed_loop(
-    save: Saver, values: Sequence[str], concurrency: int, latencies: array[float]
-) -> tuple[float, int, int]:
-    """``concurrency`` callers, each saving its next value as soon as it has an answer."""
-    ticket = iter(range(len(values)))
-    created = errors = 0
-
-    async def caller() -> None:
-        nonlocal created, errors
-        clock = time.perf_counter
-        for i in ticket:
-            t0 = clock()
-            try:
-                ok = await save(values[i])  # never `created += await ...`: that loses updates
-            except Exception:
-                errors += 1
-            else:
-                created += ok
-            latencies[i] = clock() - t0
-
-    started = time.perf_counter()
-    await asyncio.gather(*(caller() for _ in range(concurrency)))
-    return time.perf_counter() - started, created, errors
-
-
-async def _open_loop(
-    save: Saver, values: Sequence[str], rate: float, outstanding: int, latencies: array[float]
-) -> tuple[float, int, int]:
-    """Request ``i`` is due at ``i / rate`` s, whether or not earlier ones were answered.
-
-    ``outstanding`` callers take the due requests in order; when all of them are busy
-    the timetable slips, and since latency counts from the scheduled time, the slip
-    shows in the percentiles (no coordinated omission). The dispatcher releases the
-    due requests about every millisecond (it never busy-waits), which adds up to about
-    a millisecond to a request's latency. No task or future per request: a busy
-    caller takes the next due request directly, an idle one waits to be woken.
-    """
-    loop = asyncio.get_running_loop()
-    clock = time.perf_counter
-    n = len(values)
-    created = errors = 0
-    taken = released = 0  # requests [taken, released) are due and not started yet
-    idle: collections.deque[asyncio.Future[None]] = collections.deque()
-    started = clock()
-
-    async def caller() -> None:
-        nonlocal created, errors, taken
-        while True:
-            if taken < released:
-                i = taken
-                taken += 1
-            elif released >= n:
-                return
-            else:
-                wake: asyncio.Future[None] = loop.create_future()
-                idle.append(wake)
-                await wake
-                continue
-            try:
-                ok = await save(values[i])
-            except Exception:
-                errors += 1
-            else:
-                created += ok
-            latencies[i] = clock() - (started + i / rate)
-
-    callers = [loop.create_task(caller()) for _ in range(min(outstanding, n))]
-    while released < n:
-        released = min(n, int((clock() - started) * rate) + 1)
-        for _ in range(min(len(idle), released - taken)):
-            idle.popleft().set_result(None)
-        if released < n:
-            await asyncio.sleep(max(_TICK_S, started + released / rate - clock()))
-    while idle:  # nothing more to take: let them end
-        idle.popleft().set_result(None)
-    await asyncio.gather(*callers)
-    return clock() - started, created, errors
-
-
-def _percentiles(latencies: Sequence[float]) -> dict[str, float]:
-    """p50, p99 (nearest rank) and the maximum, in milliseconds."""
-    ordered = sorted(latencies)
-    if not ordered:
-        return {"p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
-
-    def rank(q: float) -> float:
-        return ordered[max(0, math.ceil(q * len(ordered)) - 1)] * 1000
-
-    return {"p50_ms": rank(0.50), "p99_ms": rank(0.99), "max_ms": ordered[-1] * 1000}
-
-
-async def run_one(
-    strategy: str,
-    values: Sequence[str],
-    concurrency: int,
-    redis_url: str,
-    pg_url: str,
-    *,
-    rate: float | None = None,
-    ready: Callable[[], Awaitable[None]] | None = None,
-) -> dict[str, Any]:
-    """Run ``strategy`` over ``values`` in this process; returns its counts and timings.
-
-    A closed loop of ``concurrency`` callers, or with ``rate`` an open loop offering
-    ``rate`` requests/s with at most ``concurrency`` in flight. ``ready`` is awaited
-    once everything is open, just before the clock starts. The result's
-    ``latencies`` holds every request's latency in seconds, in stream order.
-    """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}")
-    c = _Counter()
-    r: Redis | None = None
-    # Every strategy gets the sink's pool settings: no reset query on release.
-    pool = await asyncpg.create_pool(pg_url, min_size=4, max_size=32, reset=keep_session)
-    gw: Gateway | None = None
-    try:
-        if strategy == "textbook":
-            r = Redis.from_pool(ConnectionPool.from_url(redis_url, max_connections=concurrency + 8))
-            save = await _textbook(r, pool, c, "tb")
-        elif strategy == "redis-lock":
-            r = Redis.from_pool(ConnectionPool.from_url(redis_url, max_connections=concurrency + 8))
-            save = await _redis_lock(r, pool, c, "rl")
-        elif strategy == "db-only":
-            save = _DbOnly(pool, c).save
-        else:
-            gw = Gateway(redis_url, pg_url, namespace="bench")
-            await gw.open()
-
-            async def save(value: str) -> bool:
-                assert gw is not None
-                return (await gw.save(KIND, value)).created
-
-        if ready is not None:
-            await ready()
-        latencies = array("d", bytes(8 * len(values)))
-        cpu0 = _own_cpu_s()
-        if rate is None:
-            seconds, created, errors = await _closed_loop(save, values, concurrency, latencies)
-        else:
-            seconds, created, errors = await _open_loop(save, values, rate, concurrency, latencies)
-        cpu = _own_cpu_s() - cpu0
-        if gw is not None:
-            stats = gw.stats()
-            c.redis, c.statements, c.rows_sent = (
-                stats.redis_round_trips,
-                stats.db_statements,
-                stats.db_rows_sent,
-            )
-            await gw.aclose()
-            gw = None
-        return {
-            "seconds": seconds,
-            **_percentiles(latencies),
-            "redis_round_trips": c.redis,
-            "db_statements": c.statements,
-            "rows_sent": c.rows_sent,
-            "created": created,
-            "errors": errors,
-            "gateway_cpu_s": cpu,
-            "latencies": latencies,
-        }
-    finally:
-        if gw is not None:
-            await gw.aclose()
-        await pool.close()  # backends flush their statistics when they exit
-        if r is not None:
-            await r.aclose()
-
-
-# ------------------------------------------------------------------- server-side counts
-
-
-async def _server_calls(redis_url: str) -> dict[str, int]:
-    r = Redis.from_url(redis_url)
-    try:
-        stats: dict[str, Any] = await r.info("commandstats")
-    finally:
-        await r.aclose()
-    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
-
-
-def _top_level_calls(strategy: str, before: dict[str, int], after: dict[str, int]) -> int:
-    """Commands the clients sent, from the server's INFO commandstats.
-
-    commandstats also counts the commands a script runs inside, so those are taken
-    out: for dedup, every command named in the package's Lua scripts (the gateway sends
-    script calls only); the textbook and redis-py releases run one GET (and a DEL when
-    the lock is theirs) per script call.
-    """
-    # Connection handshakes (redis-py's CLIENT SETINFO, SELECT, AUTH) and our own
-    # INFO reads are per connection, not per request: left out.
-    handshake = ("info", "client|setinfo", "select", "auth", "hello")
-    delta = {k: v - before.get(k, 0) for k, v in after.items() if k not in handshake}
-    total = sum(v for k, v in delta.items() if not k.startswith("config"))
-    if strategy == "dedup":
-        nested = sum(delta.get(k, 0) for k in _gateway_script_commands())
-    elif strategy in PER_REQUEST:
-        nested = delta.get("evalsha", 0) + delta.get("eval", 0) + delta.get("del", 0)
-    else:
-        nested = 0
-    return total - nested
-
-
-_LUA_CALL = re.compile(r"""redis\.p?call\(\s*['"]([A-Za-z]+)['"]""")
-
-
-def _gateway_script_commands() -> set[str]:
-    """Commands named in the Lua scripts of the loaded ``dedup`` modules (bench's aside)."""
-    found: set[str] = set()
-    for name, module in list(sys.modules.items()):
-        if name.startswith("dedup.") and name != __name__:
-            for value in vars(module).values():
-                if isinstance(value, str) and "redis." in value:
-                    found.update(m.lower() for m in _LUA_CALL.findall(value))
-    return found
-
-
-async def _server_xacts(pg_url: str) -> int:
-    """Transactions PostgreSQL counted for this database (each statement here is one).
-
-    The reading connection's own transaction is counted when it exits, after the read.
-    """
-    await asyncio.sleep(0.2)  # let exiting backends report
-    conn = await asyncpg.connect(pg_url)
-    try:
-        return int(await conn.fetchval(XACTS))
-    finally:
-        await conn.close()
-
-
-@dataclass(frozen=True)
-class ServerPids:
-    """The redis-server and postmaster PIDs of servers the bench started (else None)."""
-
-    redis: int | None = None
-    postgres: int | None = None
-
-
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _proc_cpu_s(pid: int) -> float:
-    """User + system CPU of ``pid`` and of its children it has reaped (Linux /proc)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    # After "pid (comm) ": state is field 3; utime, stime, cutime, cstime are 14-17.
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return sum(int(x) for x in fields[11:15]) / _TICKS_PER_S
-
-
-def _servers_cpu_s(pids: ServerPids) -> tuple[float | None, float | None]:
-    """CPU seconds so far of redis-server and of PostgreSQL (postmaster and backends).
-
-    A backend that exits moves its time into the postmaster's reaped-children figure,
-    so a difference of two readings counts every backend that ran between them.
-    """
-    redis_s = _proc_cpu_s(pids.redis) if pids.redis is not None else None
-    pg_s = None
-    if pids.postgres is not None:
-        pg_s = sum(_proc_cpu_s(p) for p in [pids.postgres, *_descendants(pids.postgres)])
-    return redis_s, pg_s
-
-
-def _minus(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a - b
-
-
-# --------------------------------------------------------------------------- processes
-
-
-def _value_of(rank: int) -> str:
-    return f"user-{rank:09d}@example.com"
+# ------------------------------------------------------------------------------ streams
 
 
 def _ranks(workload: str, cfg: BenchConfig) -> array[int]:
@@ -688,169 +233,7 @@ def _ranks(workload: str, cfg: BenchConfig) -> array[int]:
 
 def _values(workload: str, cfg: BenchConfig) -> list[str]:
     """The stream of ``workload`` as the values saved."""
-    return [_value_of(rank) for rank in _ranks(workload, cfg)]
-
-
-def _worker_main() -> None:
-    """A process of a run: reads its job (JSON), opens, says "ready", waits for "go", runs.
-
-    Its latencies go to the job's file (raw doubles), its counts to stdout (JSON).
-    """
-    job = json.loads(sys.stdin.readline())
-    ranks = array("l")
-    ranks.frombytes(Path(job["ranks"]).read_bytes())
-    values = [_value_of(rank) for rank in ranks]
-
-    async def ready() -> None:
-        print("ready", flush=True)
-        if (await asyncio.to_thread(sys.stdin.readline)).strip() != "go":
-            raise SystemExit("bench worker: no go")
-
-    result = run_loop(
-        run_one(
-            job["strategy"],
-            values,
-            job["concurrency"],
-            job["redis_url"],
-            job["pg_url"],
-            rate=job["rate"],
-            ready=ready,
-        )
-    )
-    latencies: array[float] = result.pop("latencies")
-    Path(job["latencies"]).write_bytes(latencies.tobytes())
-    print(json.dumps(result), flush=True)
-
-
-def _split(total: int, n: int) -> list[int]:
-    """``total`` spread over ``n`` shares that differ by at most one, each at least 1."""
-    base, extra = divmod(total, n)
-    return [max(1, base + (i < extra)) for i in range(n)]
-
-
-def _run_processes(
-    run: Planned,
-    ranks: array[int],
-    redis_url: str,
-    pg_url: str,
-    pids: ServerPids,
-    tmp: Path,
-) -> dict[str, Any]:
-    """``run.processes`` OS processes, each a round-robin share of the stream, started
-    together; their counts summed, their latencies merged, the servers' counts read."""
-    n = run.processes
-    callers = _split(run.concurrency, n)
-    jobs: list[dict[str, Any]] = []
-    for i in range(n):
-        part = tmp / f"ranks-{i}.bin"
-        part.write_bytes(ranks[i::n].tobytes())
-        jobs.append(
-            {
-                "strategy": run.strategy,
-                "ranks": str(part),
-                "latencies": str(tmp / f"latencies-{i}.bin"),
-                "concurrency": callers[i],
-                "rate": None if run.rate is None else run.rate / n,
-                "redis_url": redis_url,
-                "pg_url": pg_url,
-            }
-        )
-    calls0 = run_loop(_server_calls(redis_url))
-    xacts0 = run_loop(_server_xacts(pg_url))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", "from dedup.bench import _worker_main; _worker_main()"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(n)
-    ]
-    try:
-        for p, job in zip(procs, jobs, strict=True):
-            assert p.stdin is not None
-            p.stdin.write(json.dumps(job) + "\n")
-            p.stdin.flush()
-        for p in procs:
-            assert p.stdout is not None
-            if p.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"a bench worker of {run} failed to start")
-        redis0, pg0 = _servers_cpu_s(pids)
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        results = []
-        for p in procs:
-            assert p.stdout is not None
-            line = p.stdout.readline()
-            if not line:
-                raise RuntimeError(f"a bench worker of {run} failed (see its error above)")
-            results.append(json.loads(line))
-        redis1, pg1 = _servers_cpu_s(pids)
-        for p in procs:
-            p.wait(timeout=_WORKER_TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            for pipe in (p.stdin, p.stdout):
-                if pipe is not None:
-                    with contextlib.suppress(OSError):  # a dead worker's pipe
-                        pipe.close()
-    xacts = run_loop(_server_xacts(pg_url)) - xacts0 - 1  # -1: the first read's own
-    calls = _top_level_calls(run.strategy, calls0, run_loop(_server_calls(redis_url)))
-    latencies = array("d")
-    for job in jobs:
-        latencies.frombytes(Path(job["latencies"]).read_bytes())
-    total: dict[str, Any] = {
-        k: sum(r[k] for r in results)
-        for k in ("redis_round_trips", "db_statements", "rows_sent", "created", "errors")
-    }
-    return {
-        **total,
-        "concurrency": sum(callers),
-        "seconds": max(r["seconds"] for r in results),
-        **_percentiles(latencies),
-        "redis_server_calls": max(calls, 0),
-        "db_server_xacts": max(xacts, 0),
-        "gateway_cpu_s": sum(r["gateway_cpu_s"] for r in results),
-        "redis_cpu_s": _minus(redis1, redis0),
-        "pg_cpu_s": _minus(pg1, pg0),
-    }
-
-
-# ------------------------------------------------------------------------ between runs
-
-
-NAMESPACES = ("tb", "rl", "bench", "mem")
-
-
-async def _reset(redis_url: str, pg_url: str) -> None:
-    """Remove what earlier runs left: only the bench's own keys and rows, never others'."""
-    r = Redis.from_url(redis_url)
-    try:
-        for ns in NAMESPACES:
-            await unlink_matching(r, f"{ns}:*")
-    finally:
-        await r.aclose()
-    conn = await asyncpg.connect(pg_url)
-    try:
-        await conn.execute("DELETE FROM dedup_items WHERE kind = $1", KIND)
-        await conn.execute("VACUUM dedup_items")
-        with contextlib.suppress(asyncpg.PostgresError):  # needs superuser; best effort
-            await conn.execute("CHECKPOINT")
-    finally:
-        await conn.close()
-
-
-async def _count_rows(pg_url: str) -> int:
-    conn = await asyncpg.connect(pg_url)
-    try:
-        return int(await conn.fetchval(COUNT_ROWS, KIND))
-    finally:
-        await conn.close()
+    return [value_of(rank) for rank in _ranks(workload, cfg)]
 
 
 # ------------------------------------------------------------------------------ ceilings
@@ -892,42 +275,6 @@ async def _insert_ceiling(pg_url: str, values: Sequence[str]) -> dict[str, float
     return {"bulk_copy_rows_per_s": len(rows) / seconds}
 
 
-async def _memory(redis_url: str, pg_url: str, n: int) -> dict[str, float]:
-    """Redis bytes per saved value and the local tier's bytes per entry."""
-    await _reset(redis_url, pg_url)
-    r = Redis.from_url(redis_url)
-    try:
-        before = int((await r.info("memory"))["used_memory"])
-        async with Gateway(redis_url, pg_url, namespace="mem", local_cache_size=0) as gw:
-            step = 5000
-            for start in range(0, n, step):
-                await gw.save_many([(KIND, f"m{i}") for i in range(start, min(n, start + step))])
-        after = int((await r.info("memory"))["used_memory"])
-    finally:
-        await r.aclose()
-    # The local tier: everything it allocates (its dict and its keys) per entry, once
-    # filled, and again once as many new values went through it (each one evicting): the
-    # dict has then been rebuilt under churn, which is the size a long-running gateway keeps.
-    size = min(n, 200_000)
-    digests = [digest(f"m{i}") for i in range(2 * size)]
-    tracemalloc.start()
-    cache = SavedCache(size)
-    for d in digests[:size]:
-        cache.add(KIND, d)
-    filled, _ = tracemalloc.get_traced_memory()
-    for d in digests[size:]:
-        cache.add(KIND, d)
-    churned, _ = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    assert len(cache) <= size
-    return {
-        "redis_bytes_per_saved_value": (after - before) / n,
-        "local_cache_bytes_per_entry": filled / size,
-        "local_cache_bytes_per_entry_churned": churned / size,
-        "memory_values": n,
-    }
-
-
 # ------------------------------------------------------------------------------- driver
 
 
@@ -953,17 +300,17 @@ def run_bench(
                 ranks = _ranks(run.workload, cfg)
                 streams[run.workload] = ranks, len(set(ranks))
                 report["ceilings"].update(
-                    run_loop(_insert_ceiling(pg_url, [_value_of(x) for x in set(ranks)]))
+                    run_loop(_insert_ceiling(pg_url, [value_of(x) for x in set(ranks)]))
                 )
             ranks, unique = streams[run.workload]
-            run_loop(_reset(redis_url, pg_url))
+            run_loop(reset(redis_url, pg_url))
             how = "closed loop" if run.rate is None else f"open loop, {run.rate:,.0f} req/s"
             log(
                 f"{run.workload:<8} {run.strategy:<11} {run.processes:>2} process(es), "
                 f"{run.concurrency} {'callers' if run.rate is None else 'in flight'}, {how} ..."
             )
-            raw = _run_processes(run, ranks, redis_url, pg_url, pids, Path(tmp))
-            rows = run_loop(_count_rows(pg_url))
+            raw = run_processes(run, ranks, redis_url, pg_url, pids, Path(tmp))
+            rows = run_loop(count_rows(pg_url))
             results.append(
                 RunResult(
                     run.strategy,
@@ -977,8 +324,8 @@ def run_bench(
                 )
             )
     report["ceilings"].update(_redis_ceiling(redis_url, redis_port))
-    report["memory"] = run_loop(_memory(redis_url, pg_url, cfg.memory_values))
-    run_loop(_reset(redis_url, pg_url))
+    report["memory"] = run_loop(gateway_memory(redis_url, pg_url, cfg.memory_values))
+    run_loop(reset(redis_url, pg_url))
     report["ceilings"]["cpu_count"] = os.cpu_count()
     report["ceilings"]["max_rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     report["runs"] = [{**asdict(r), **r.derived()} for r in results]
