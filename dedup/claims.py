@@ -3,7 +3,8 @@
 ``claim`` answers, per key, saved / won / busy; ``commit`` marks keys saved once
 their rows are committed; ``abort`` releases leases whose write failed. On a
 single server each is one round trip however many keys; on Redis Cluster a batch
-is split by hash slot, one call per slot, run concurrently.
+is split by hash slot, one script call per slot, and the calls that go to one node
+are sent in one pipeline: a round trip per node, whatever the number of slots.
 """
 
 from __future__ import annotations
@@ -15,16 +16,26 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.asyncio import ConnectionPool, Redis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.cluster import get_node_name
 from redis.crc import key_slot
 from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ClusterError,
     ConnectionError,
+    MaxConnectionsError,
+    MovedError,
+    NoScriptError,
     OutOfMemoryError,
     ReadOnlyError,
+    RedisClusterException,
     RedisError,
     ResponseError,
+    TimeoutError,
+    TryAgainError,
 )
 
 from dedup.bloom import BloomLayout, BloomSpec
@@ -61,6 +72,13 @@ _CLAIM_COMPACT, _COMMIT_COMPACT = Script(CLAIM_COMPACT), Script(COMMIT_COMPACT)
 _CLAIM_BLOOM, _COMMIT_BLOOM = Script(CLAIM_BLOOM), Script(COMMIT_BLOOM)
 _CLAIMS = (_CLAIM, _CLAIM_COMPACT, _CLAIM_BLOOM)
 _SKEW_ALLOWANCE_MS = 60_000
+# One script call of a cluster batch: its KEYS and ARGV (all keys in one slot).
+_Call = tuple[Sequence[bytes], Sequence[Any]]
+# Errors after which a cluster batch is retried once, on a refreshed slot map: the
+# node (refused, reset, timed out) and the slot (mid-migration, cluster down).
+_NODE_ERRORS = (ConnectionError, TimeoutError, OSError)
+_SLOT_ERRORS = (TryAgainError, ClusterDownError)
+_RETRY_PAUSE_S = 0.05
 _PROBE_PX = 10_000
 _UNWRITABLE_TEXTS = (
     ("oom", ("OOM command not allowed", "command not allowed when used memory")),
@@ -217,14 +235,10 @@ class Claims:
         self._period_ms = -(-retention_ms // (marker_generations - 1)) if retention_ms > 0 else 0
         # "L" keeps a token distinct from the saved marker "1" whatever the randomness.
         self._token = "L" + secrets.token_hex(12)
-        # On a cluster one batch fans out into a call per slot; bounding them all
-        # keeps each node's connections below its pool size (which raises, not waits).
+        # On a cluster one batch takes a connection of each node it reaches; bounding
+        # them all keeps each node's connections below its pool size (which raises,
+        # not waits).
         self._slot_calls = asyncio.Semaphore(max_parallel)
-
-    @property
-    def token(self) -> str:
-        """This claimant's lease token."""
-        return self._token
 
     @property
     def markers(self) -> MarkerLayout:
@@ -371,7 +385,7 @@ class Claims:
         build: Callable[[Sequence[bytes]], tuple[Sequence[bytes], Sequence[Any]]],
     ) -> list[Any]:
         """Run ``script`` over ``keys`` (KEYS and ARGV from ``build``): one call, or one
-        per slot on a cluster, in key order."""
+        per slot on a cluster (pipelined per node), in key order."""
         if not keys:
             return []
         client = self._client
@@ -388,23 +402,169 @@ class Claims:
                 "the compact and approximate layouts need hash-tagged keys on a "
                 "cluster (cluster_shards > 0)"
             )
-
-        async def one_slot(idx: list[int]) -> Any:
-            async with self._slot_calls:
-                result, trips = await script(client, *build([keys[i] for i in idx]))
-                self._stats.redis_round_trips += trips
-                return result
-
-        parts = await asyncio.gather(*(one_slot(idx) for idx in groups.values()))
+        calls = {slot: build([keys[i] for i in idx]) for slot, idx in groups.items()}
+        answers = await self._on_nodes(script, calls)
         if script not in _CLAIMS:
-            return list(parts)
+            return [answers[slot] for slot in groups]
         # Claim answers are strings: put each letter back at its key's position.
         letters = [""] * len(keys)
-        for idx, part in zip(groups.values(), parts, strict=True):
+        for slot, idx in groups.items():
+            part = answers[slot]
             text = part.decode() if isinstance(part, bytes) else part
             for i, letter in zip(idx, text, strict=True):
                 letters[i] = letter
         return ["".join(letters)]
+
+    async def _on_nodes(self, script: Script, calls: dict[int, _Call]) -> dict[int, Any]:
+        """Run one script call per slot of ``calls``, in ONE pipeline per node that owns
+        any of them (all nodes at once): the batch costs a round trip per node, not per
+        slot. Returns each slot's answer.
+
+        redis-py's cluster pipeline would route EVALSHA too, but pays its per-command
+        routing cost again for every slot (and redis-py issue #2914: some versions
+        refuse EVALSHA there); the slots are known here already, so each node's
+        commands go straight onto one of that node's own connections.
+
+        A slot answered MOVED, ASK, TRYAGAIN or CLUSTERDOWN, or a node that failed
+        (connection refused or reset, timeout: a primary killed, a failover under way),
+        has its calls retried ONCE after the slot map is refreshed (a MOVED patches it
+        in place; anything else reads CLUSTER SLOTS again). That is safe: for one token
+        each script is idempotent (a claim finds its own lease and extends it, a commit
+        finds the key saved already, an abort finds nothing to release). If the retry
+        fails too, the last error is raised (a :class:`RedisError`): the engine goes
+        degraded and its probe closes the circuit once the cluster serves again.
+        """
+        client = self._client
+        assert isinstance(client, RedisCluster)
+        try:
+            await client.initialize()  # no I/O unless redis-py dropped its slot map
+        except RedisClusterException as exc:
+            raise ClusterError(f"Redis Cluster slot map unavailable: {exc}") from exc
+        answers: dict[int, Any] = {}
+        pending: dict[int, str | None] = dict.fromkeys(calls)  # slot -> ASK target
+        for attempt in range(2):
+            nodes: dict[str, tuple[ClusterNode, list[tuple[int, str | None]]]] = {}
+            manager = client.nodes_manager
+            try:
+                for slot, ask in pending.items():
+                    node = manager.get_node(node_name=ask) if ask is not None else None
+                    if node is None:
+                        node, ask = manager.get_node_from_slot(slot), None
+                    nodes.setdefault(node.name, (node, []))[1].append((slot, ask))
+            except RedisClusterException as exc:  # SlotNotCoveredError: a slot map in flux
+                raise ClusterError(f"Redis Cluster slot map incomplete: {exc}") from exc
+            outcomes = await asyncio.gather(
+                *(self._node_pipeline(node, script, calls, todo) for node, todo in nodes.values()),
+                return_exceptions=True,
+            )
+            retry: dict[int, str | None] = {}
+            failed_nodes: list[ClusterNode] = []
+            redirects: list[MovedError] = []
+            error: BaseException | None = None
+            stale = False  # the slot map needs CLUSTER SLOTS again
+            for (node, todo), outcome in zip(nodes.values(), outcomes, strict=True):
+                results = outcome if isinstance(outcome, list) else [outcome] * len(todo)
+                for (slot, _), answer in zip(todo, results, strict=True):
+                    if not isinstance(answer, BaseException):
+                        answers[slot] = answer
+                        continue
+                    if isinstance(answer, MovedError):
+                        redirects.append(answer)
+                        retry[slot] = None
+                    elif isinstance(answer, AskError):
+                        retry[slot] = get_node_name(answer.host, answer.port)
+                    elif isinstance(answer, _SLOT_ERRORS):
+                        retry[slot], stale = None, True
+                    elif isinstance(answer, _NODE_ERRORS) and not isinstance(
+                        answer, MaxConnectionsError
+                    ):  # refused, reset (also mid-read), timed out: a node down or moving
+                        if node not in failed_nodes:
+                            failed_nodes.append(node)
+                        retry[slot], stale = None, True
+                    else:
+                        raise answer
+                    error = answer
+            if not retry:
+                return answers
+            if attempt == 1:
+                break
+            pending = retry
+            await self._refresh_slots(failed_nodes, redirects, full=stale)
+        assert error is not None
+        raise error
+
+    async def _refresh_slots(
+        self, failed_nodes: list[ClusterNode], redirects: list[MovedError], *, full: bool
+    ) -> None:
+        """Bring the slot map up to date after a failed node or a redirect: drop the failed
+        nodes' connections, then patch the map from the MOVED answers, or read CLUSTER
+        SLOTS again (one round trip) when something else went wrong."""
+        client = self._client
+        assert isinstance(client, RedisCluster)
+        manager = client.nodes_manager
+        for node in failed_nodes:
+            node.update_active_connections_for_reconnect()
+            await node.disconnect_free_connections()
+            manager.move_node_to_end_of_cached_nodes(node.name)
+        if not full:
+            for moved in redirects:  # resharding: patch the map, no round trip
+                await manager.move_slot(moved)
+            return
+        await asyncio.sleep(_RETRY_PAUSE_S)  # TRYAGAIN, CLUSTERDOWN: let the cluster settle
+        try:
+            await manager.initialize(
+                last_failed_node_name=failed_nodes[0].name if failed_nodes else None
+            )
+        except RedisClusterException as exc:
+            raise ClusterError(f"Redis Cluster slot map unavailable: {exc}") from exc
+        except (RedisError, OSError) as exc:
+            raise ConnectionError(f"Redis Cluster slot map unavailable: {exc}") from exc
+        finally:
+            self._stats.redis_round_trips += 1
+
+    async def _node_pipeline(
+        self,
+        node: ClusterNode,
+        script: Script,
+        calls: dict[int, _Call],
+        todo: list[tuple[int, str | None]],
+    ) -> list[Any]:
+        """Send the script calls of ``todo``'s slots to ``node`` in one pipeline (each
+        preceded by ASKING where an ASK redirect named this node); per slot, its answer or
+        the error it got. A node that lost the script (restarted, failed over, flushed)
+        gets it loaded and the calls it refused sent again: 3 round trips instead of 1."""
+        async with self._slot_calls:
+            answers = await self._send(node, script, calls, todo)
+            self._stats.redis_round_trips += 1
+            again = [i for i, answer in enumerate(answers) if isinstance(answer, NoScriptError)]
+            if again:
+                await node.execute_command("SCRIPT", "LOAD", script.source)
+                retried = await self._send(node, script, calls, [todo[i] for i in again])
+                self._stats.redis_round_trips += 2
+                for i, answer in zip(again, retried, strict=True):
+                    answers[i] = answer
+            return answers
+
+    @staticmethod
+    async def _send(
+        node: ClusterNode,
+        script: Script,
+        calls: dict[int, _Call],
+        todo: list[tuple[int, str | None]],
+    ) -> list[Any]:
+        commands: list[PipelineCommand] = []
+        evals: list[PipelineCommand] = []
+        for slot, ask in todo:
+            if ask is not None:
+                commands.append(PipelineCommand(len(commands), "ASKING"))
+            call_keys, args = calls[slot]
+            command = PipelineCommand(
+                len(commands), "EVALSHA", script.sha, len(call_keys), *call_keys, *args
+            )
+            commands.append(command)
+            evals.append(command)
+        await node.execute_pipeline(commands)
+        return [command.result for command in evals]
 
 
 def unwritable_reason(exc: BaseException) -> str | None:
