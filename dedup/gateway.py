@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from hashlib import blake2b
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, get_args
 
 from dedup import _embed
 from dedup._backends import Backends
@@ -52,13 +52,8 @@ from dedup.types import BatchWriter, Item, SaveResult, Source
 
 __all__ = ["Gateway"]
 
-_RESULTS: dict[Source, SaveResult] = {
-    "local": SaveResult(False, "local"),
-    "inflight": SaveResult(False, "inflight"),
-    "redis": SaveResult(False, "redis"),
-    "db": SaveResult(False, "db"),
-    "write": SaveResult(True, "write"),
-}
+# One shared result per source: created exactly when this call's own write inserted it.
+_RESULTS: dict[Source, SaveResult] = {s: SaveResult(s == "write", s) for s in get_args(Source)}
 _LOCAL = _RESULTS["local"]
 _INFLIGHT = _RESULTS["inflight"]
 

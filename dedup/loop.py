@@ -6,9 +6,19 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["run"]
+__all__ = ["new_loop", "run"]
 
 _T = TypeVar("_T")
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop for a thread of its own: uvloop's when installed, else asyncio's."""
+    try:
+        import uvloop  # optional speed-up
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
 
 
 def run(coro: Coroutine[Any, Any, _T]) -> _T:

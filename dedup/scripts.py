@@ -38,11 +38,9 @@ __all__ = [
     "COMMIT",
     "COMMIT_BLOOM",
     "COMMIT_COMPACT",
-    "SAVED_MARKER",
     "Script",
 ]
 
-SAVED_MARKER = b"1"
 
 CLAIM = """
 -- KEYS: the keys of one batch, each at most once

@@ -27,6 +27,7 @@ from dedup import _embed
 from dedup.errors import DedupError, InvalidInput, WaitTimeout
 from dedup.gateway import Gateway
 from dedup.keys import validate_kind
+from dedup.loop import new_loop
 from dedup.metrics import Stats
 from dedup.types import Item, SaveResult
 
@@ -37,15 +38,6 @@ _T = TypeVar("_T")
 
 _CALL_MARGIN_S = 5.0
 _OPEN_TIMEOUT_S = 120.0  # starting an embedded redis-server and migrating SQLite included
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop  # optional speed-up, as in dedup.loop
-    except ImportError:
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
 
 
 class SyncGateway:
@@ -77,7 +69,7 @@ class SyncGateway:
         self._pid = os.getpid()
         self._state_lock = threading.Lock()
         self._closed = False
-        self._loop = _new_loop()
+        self._loop = new_loop()
         self._thread = threading.Thread(
             target=self._run_loop, name="dedup-sync-gateway", daemon=True
         )
