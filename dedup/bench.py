@@ -37,7 +37,7 @@ from typing import Any
 
 import asyncpg
 
-from dedup._bench_memory import gateway_memory
+from dedup._bench_memory import gateway_memory, measure_layouts
 from dedup._bench_procs import ServerPids, count_rows, reset, run_processes, value_of
 from dedup._bench_strategies import KIND, PER_REQUEST, STRATEGIES, percentiles, run_one
 from dedup.demo import make_stream
@@ -85,6 +85,7 @@ class BenchConfig:
     outstanding: int = 1024
     zipf_values: int = 1_000_000
     uniform_values: int = 10_000_000
+    # Values saved for the memory figures: through the gateway, and in each marker layout.
     memory_values: int = 1_000_000
     seed: int = 1
 
@@ -111,6 +112,7 @@ class BenchConfig:
             )
         need(all(math.isfinite(r) and r > 0 for r in self.rates), "--rate values must be > 0")
         need(self.outstanding >= 1, "--outstanding must be at least 1")
+        need(self.memory_values >= 1, "--memory-values must be at least 1")
         # Every process gets at least one caller (and one request in flight).
         need(
             self.concurrency[0] >= max(self.processes),
@@ -288,7 +290,8 @@ def run_bench(
     log: Callable[[str], None],
     pids: ServerPids | None = None,
 ) -> dict[str, Any]:
-    """Run the :func:`plan` of ``cfg``, then the ceilings and memory; write JSON and chart."""
+    """Run the :func:`plan` of ``cfg``, then the ceilings and memory (the gateway's, and
+    each marker layout's at ``memory_values``); write JSON and chart."""
     cfg.validate()
     pids = pids or ServerPids()
     results: list[RunResult] = []
@@ -328,6 +331,9 @@ def run_bench(
     run_loop(reset(redis_url, pg_url))
     report["ceilings"]["cpu_count"] = os.cpu_count()
     report["ceilings"]["max_rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Last, each on a redis-server of its own: the runs' Redis is left alone, and the
+    # maximum RSS above is the bench's before the layouts' key lists exist.
+    report["memory"]["layouts"] = run_loop(measure_layouts(cfg.memory_values, log))
     report["runs"] = [{**asdict(r), **r.derived()} for r in results]
     out_dir.mkdir(parents=True, exist_ok=True)
     chart = _chart(report["runs"], out_dir / "bench.png")
@@ -461,9 +467,46 @@ def format_table(report: dict[str, Any]) -> str:
         ]
         lines.append(" ".join(cells) + f"  {'PASS' if r['passed'] else 'FAIL'}")
     lines.append("")
-    for k, v in {**report["ceilings"], **report["memory"]}.items():
+    scalars = {k: v for k, v in report["memory"].items() if k != "layouts"}
+    for k, v in {**report["ceilings"], **scalars}.items():
         lines.append(f"{k:<40} {v:>14,.1f}" if isinstance(v, float) else f"{k:<40} {v:>14}")
+    layouts = report["memory"].get("layouts")
+    if layouts:
+        lines += ["", *format_layouts(layouts)]
     return "\n".join(lines)
+
+
+_LAYOUT_NOTES = {
+    "compact": "the default",
+    "keys": "one key per value (the layout before issue 12)",
+}
+
+
+def format_layouts(layouts: dict[str, dict[str, Any]]) -> list[str]:
+    """Redis bytes per saved value of each marker layout, one line each."""
+    first = next(iter(layouts.values()))
+    buckets = next((r["marker_buckets"] for r in layouts.values() if r["marker_buckets"]), None)
+    lines = [
+        f"Redis bytes per saved value by marker layout: {first['values']:,} values"
+        + (f", {buckets:,} buckets" if buckets else "")
+        + f", each on a redis-server {first['redis_version']} of its own",
+        f"{'layout':<12} {'bytes/value':>11} {'keys':>10} {'saves/s':>9}  notes",
+    ]
+    for name, r in layouts.items():
+        note = _LAYOUT_NOTES.get(name, "")
+        if "fp_measured" in r:
+            note = (
+                f"Bloom at {r['fp_configured']:.0%}: false positives {r['fp_measured']:.2%} "
+                f"of {r['fp_probes']:,} new values; the bitmaps alone "
+                f"{r['bloom_bytes_per_value']:.2f} bytes/value"
+            )
+        if r["dup_answers_saved"] != 1.0:
+            note += f"; only {r['dup_answers_saved']:.4f} of saved values answered saved!"
+        lines.append(
+            f"{name:<12} {r['bytes_per_value']:>11.1f} {r['keys']:>10,} "
+            f"{r['saves_per_s']:>9,.0f}  {note}"
+        )
+    return lines
 
 
 QUICK = BenchConfig(
@@ -501,6 +544,7 @@ def config_from_flags(
     strategies: str | None = None,
     rate: str | None = None,
     outstanding: int | None = None,
+    memory_values: str | None = None,
 ) -> BenchConfig:
     """The run of ``dedup bench``'s flags: ``--quick`` (or the default) with the flags
     given on top; lists are comma-separated. Raises :class:`DedupError` on nonsense."""
@@ -520,6 +564,11 @@ def config_from_flags(
         given["rates"] = () if rate.strip() in ("", "0", "none") else _list("--rate", rate, _number)
     if outstanding is not None:
         given["outstanding"] = outstanding
+    if memory_values is not None:
+        try:
+            given["memory_values"] = int(_number(memory_values))
+        except ValueError:
+            raise DedupError(f"--memory-values: not a number: {memory_values!r}") from None
     cfg = replace(cfg, **given)
     cfg.validate()
     return cfg

@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="open loop: bound on requests in flight, in all (default 1,024)",
     )
+    bench.add_argument(
+        "--memory-values",
+        help="values saved for the memory figures, through the gateway and in each marker "
+        "layout (default 1,000,000; --quick 50,000; e.g. 10m)",
+    )
     bench.add_argument("--out", default="bench-results", help="folder of bench.json and the chart")
 
     serve = sub.add_parser("serve", help="run the HTTP ingest service (see the README)")
@@ -229,6 +234,7 @@ def _bench(args: argparse.Namespace) -> int:
         strategies=args.strategies,
         rate=args.rate,
         outstanding=args.outstanding,
+        memory_values=args.memory_values,
     )
     redis_url = args.redis_url or os.environ.get("DEDUP_BENCH_REDIS_URL")
     database_url = args.database_url or os.environ.get("DEDUP_BENCH_DATABASE_URL")

@@ -37,6 +37,24 @@ def _check_run(r: dict[str, Any]) -> None:
         assert r["redis_round_trips"] >= r["requests"], r  # at least one per request
 
 
+def _check_layouts(memory: dict[str, Any], values: int) -> None:
+    """Issue 12: bytes per saved value of each marker layout (sane, never timed)."""
+    layouts = memory["layouts"]
+    assert list(layouts) == ["compact", "keys", "approximate"], layouts
+    for name, row in layouts.items():
+        assert row["layout"] == name and row["values"] == values, row
+        assert row["bytes_per_value"] > 0, row
+        assert row["committed"] <= values and row["keys"] >= 1, row
+    assert layouts["compact"]["committed"] == layouts["keys"]["committed"] == values
+    assert layouts["compact"]["dup_answers_saved"] == layouts["keys"]["dup_answers_saved"] == 1.0
+    assert layouts["compact"]["bytes_per_value"] < layouts["keys"]["bytes_per_value"], layouts
+    assert layouts["keys"]["keys"] == values  # one per value
+    assert layouts["compact"]["keys"] <= layouts["compact"]["marker_buckets"]
+    approximate = layouts["approximate"]
+    assert 0.0 <= approximate["fp_measured"] <= 0.1, approximate
+    assert approximate["fp_configured"] == 0.01 and approximate["fp_probes"] >= 10_000
+
+
 async def test_bench_cli_runs_every_strategy_and_shape(
     redis_url: str, pg_url: str, tmp_path: Path
 ) -> None:
@@ -57,6 +75,7 @@ async def test_bench_cli_runs_every_strategy_and_shape(
         [sys.executable, "-m", "dedup", "bench", "--quick", "--requests", "2000",
          "--strategies", "textbook,redis-lock,db-only,dedup", "--processes", "1,2",
          "--concurrency", "8,16", "--rate", "4000", "--outstanding", "32",
+         "--memory-values", "20k",
          "--redis-url", redis_url, "--database-url", pg_url, "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=170, check=False,
     )  # fmt: skip
@@ -94,6 +113,11 @@ async def test_bench_cli_runs_every_strategy_and_shape(
             assert abs(client - server) <= 10 + 0.02 * server, r
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert report["memory"]["redis_bytes_per_saved_value"] > 0
+    assert report["config"]["memory_values"] == report["memory"]["memory_values"] == 20_000
+    _check_layouts(report["memory"], 20_000)
+    summary = run.stdout[run.stdout.index("by marker layout") :]
+    for name in ("compact", "keys", "approximate"):
+        assert f"\n{name} " in summary, summary
     assert report["ceilings"]["bulk_copy_rows_per_s"] > 0
     # It removed its own keys and rows only.
     client = redis.Redis.from_url(redis_url)
@@ -115,7 +139,7 @@ def test_bench_reads_the_servers_cpu_when_it_knows_their_pids(
     """Multi-process closed and open loops, with the servers' PIDs: CPU of all three."""
     cfg = bench.BenchConfig(
         requests=4000, concurrency=(16,), processes=(2,), workloads=("zipf",),
-        rates=(8000.0,), outstanding=64, zipf_values=20_000, memory_values=2000,
+        rates=(8000.0,), outstanding=64, zipf_values=20_000, memory_values=10_000,
     )  # fmt: skip
     client = redis.Redis.from_url(redis_server.url)
     try:
@@ -140,8 +164,11 @@ def test_bench_reads_the_servers_cpu_when_it_knows_their_pids(
         assert r["pg_cpu_s"] > 0, r  # every run inserts its rows
         assert r["redis_cpu_s"] >= 0, r
     assert sum(r["redis_cpu_s"] for r in runs if r["strategy"] == "dedup") > 0
+    _check_layouts(report["memory"], 10_000)
     table = bench.format_table(report)
-    assert len(table.splitlines()) >= 2 + len(runs)
+    assert len(table.splitlines()) >= 2 + len(runs) + 2 + len(report["memory"]["layouts"])
+    assert "bytes per saved value by marker layout" in table
+    assert json.loads((tmp_path / "bench.json").read_text())["memory"] == report["memory"]
     assert (tmp_path / "bench.json").exists()
 
 
@@ -172,6 +199,8 @@ def test_default_plan_holds_the_fleet_and_the_target_rows() -> None:
         ({"rate": "nan"}, "--rate"),
         ({"concurrency": "4", "processes": "1,8"}, "--concurrency"),
         ({"outstanding": 0}, "--outstanding"),
+        ({"memory_values": "0"}, "--memory-values"),
+        ({"memory_values": "many"}, "--memory-values"),
     ],
 )
 def test_flags_that_make_no_sense_are_refused(flags: dict[str, Any], message: str) -> None:
