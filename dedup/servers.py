@@ -463,11 +463,14 @@ class RedisClusterServers:
         """``redis+cluster://`` URL seeded with ``node``."""
         return f"redis+cluster://{HOST}:{node.port}"
 
-    def command(self, node: RedisServer, *args: str | int | bytes, timeout: float = 5.0) -> Any:
-        """Run one command on ``node`` (a fresh connection; answers decoded)."""
+    def command(
+        self, node: RedisServer, *args: str | int | bytes, timeout: float = 5.0, decode: bool = True
+    ) -> Any:
+        """Run one command on ``node`` (a fresh connection; answers decoded unless not
+        ``decode``)."""
         client = redis.Redis(
             host=HOST, port=node.port, socket_timeout=timeout, socket_connect_timeout=timeout,
-            decode_responses=True,
+            decode_responses=decode,
         )  # fmt: skip
         try:
             return client.execute_command(*args)  # type: ignore[no-untyped-call]
