@@ -159,7 +159,7 @@ async def measure_layout(
             row: dict[str, Any] = {
                 "layout": name,
                 "values": values,
-                "marker_buckets": buckets if claims.layout != "keys" else None,
+                "marker_buckets": buckets if claims.layout == "compact" else None,
                 "committed": committed,
                 "bytes_per_value": (after - before) / values,
                 "keys": await client.dbsize(),

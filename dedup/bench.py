@@ -496,9 +496,9 @@ def format_layouts(layouts: dict[str, dict[str, Any]]) -> list[str]:
         note = _LAYOUT_NOTES.get(name, "")
         if "fp_measured" in r:
             note = (
-                f"Bloom at {r['fp_configured']:.0%}: false positives {r['fp_measured']:.2%} "
-                f"of {r['fp_probes']:,} new values; the bitmaps alone "
-                f"{r['bloom_bytes_per_value']:.2f} bytes/value"
+                f"Bloom at {100 * r['fp_configured']:g} %: false positives "
+                f"{100 * r['fp_measured']:.2f} % of {r['fp_probes']:,} new values; the "
+                f"bitmaps alone {r['bloom_bytes_per_value']:.2f} bytes/value"
             )
         if r["dup_answers_saved"] != 1.0:
             note += f"; only {r['dup_answers_saved']:.4f} of saved values answered saved!"
