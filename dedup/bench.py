@@ -55,6 +55,7 @@ __all__ = [
     "ServerPids",
     "bench_command",
     "config_from_flags",
+    "format_layouts",
     "format_table",
     "plan",
     "run_bench",
