@@ -29,9 +29,10 @@ def cluster_servers() -> Iterator[RedisClusterServers]:
 
 
 @pytest.fixture
-def cluster(cluster_servers: RedisClusterServers) -> list[RedisServer]:
-    """The three primaries' servers (the form tests/test_claims.py uses)."""
-    return cluster_servers.nodes
+def cluster() -> Iterator[list[RedisServer]]:
+    """The three primaries' servers (the form tests/test_claims.py imports)."""
+    with RedisClusterServers(3, 0, node_timeout_ms=2000) as servers:
+        yield servers.nodes
 
 
 def evalsha_calls(servers: RedisClusterServers) -> dict[int, int]:
