@@ -421,10 +421,11 @@ class RedisClusterServers:
     16,384 slots split evenly between them, and ``replicas`` replicas per primary.
 
     Built with plain cluster commands (no redis-cli needed): each node gets a distinct
-    config epoch, its slots (CLUSTER ADDSLOTSRANGE), MEETs the others, and replicas
+    config epoch, its slots (CLUSTER ADDSLOTS), MEETs the others, and replicas
     CLUSTER REPLICATE their primary; :meth:`start` returns once every node reports
     ``cluster_state:ok`` and every replica has synced. The bus port of each node is a
-    free port of its own (``cluster-port``), not ``port + 10000``.
+    free port of its own (``cluster-port``, redis-server 7.0 or later), not ``port + 10000``
+    (which may be past 65535).
 
     ``node_timeout_ms`` is ``cluster-node-timeout``: how long a silent primary takes to
     be marked failed and replaced by its replica (``cluster-replica-validity-factor 0``
@@ -491,7 +492,7 @@ class RedisClusterServers:
                 self.command(node, "CLUSTER", "SET-CONFIG-EPOCH", i + 1)
             for i, node in enumerate(primaries):
                 last = 16383 if i + 1 == self._primaries else (i + 1) * per - 1
-                self.command(node, "CLUSTER", "ADDSLOTSRANGE", i * per, last)
+                self.command(node, "CLUSTER", "ADDSLOTS", *range(i * per, last + 1))
             first = self.nodes[0]
             for node in self.nodes[1:]:
                 self.command(first, "CLUSTER", "MEET", HOST, node.port, self._bus_ports[node.port])
