@@ -9,10 +9,11 @@ created twice, seconds degraded) are printed like test_faults' ones.
 * SIGKILL a primary: its replica is promoted after ``cluster-node-timeout`` (1 s); the
   gateway is degraded while the slots have no primary (the database's unique key
   decides), then claims on the new primary.
-* SIGSTOP a primary, and promote its replica at once (CLUSTER FAILOVER TAKEOVER):
-  saved markers the replica had not received are lost (a new gateway finds those
-  values in the database instead: ``source == "db"``), but ``created`` stays exactly
-  once because the database decides; on SIGCONT the old primary rejoins as a replica.
+* SIGSTOP a primary that took writes its replica never got (the replica paused, its
+  link closed), and promote the replica at once (CLUSTER FAILOVER TAKEOVER): those
+  saved markers are lost (a new gateway finds such values in the database instead:
+  ``source == "db"``), but ``created`` stays exactly once because the database
+  decides; on SIGCONT the old primary rejoins as a replica.
 """
 
 from __future__ import annotations
@@ -139,7 +140,15 @@ async def test_paused_primary_replaced_by_takeover(
         loaded([gw], ledger, both=False) as load,
     ):
         await load.grows_by(500, "saves before the fault")
-        victim.pause()  # SIGSTOP: it keeps what it had not yet sent to its replica
+        # Make the primary take writes its replica never gets: the replica is paused (it
+        # cannot reconnect) and its link closed; the primary goes on taking writes alone.
+        replica.pause()
+        try:
+            servers.command(victim, "CLIENT", "KILL", "TYPE", "replica")
+            await load.grows_by(300, "saves the replica does not get")
+        finally:
+            victim.pause()  # SIGSTOP: it keeps what its replica never received
+            replica.resume()
         try:
             paused = time.monotonic()
             await asyncio.sleep(0.3)
@@ -166,3 +175,5 @@ async def test_paused_primary_replaced_by_takeover(
         markers_lost=sources.get("db", 0), saved_again=dict(sources),
     )  # fmt: skip
     assert recovered_s < 20
+    # Markers were lost with the writes the replica never got; the table decided.
+    assert sources["db"] > 0
