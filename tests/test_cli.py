@@ -18,8 +18,10 @@ import pytest
 from redis.asyncio import Redis
 
 from dedup import ConfigError, Gateway
-from dedup.demo import DEMO_KINDS, make_stream
-from dedup.keys import digest
+from dedup.claims import Claims
+from dedup.demo import DEMO_KINDS, make_stream, value_of
+from dedup.keys import KeySpace, digest
+from dedup.metrics import Stats
 from dedup.settings import (
     ServiceSettings,
     Settings,
@@ -182,13 +184,26 @@ async def test_demo_keeps_to_its_own_redis_namespace(redis_url: str, pg_url: str
         )  # fmt: skip
         _ok(run)
         demo_keys = [k async for k in client.scan_iter(match="dedup-demo:*", count=1000)]
+        buckets = [k for k in demo_keys if await client.type(k) == b"hash"]
+        demo_markers = sum([await client.hlen(k) for k in buckets])
         after = {k async for k in client.scan_iter(match="dedup:*")}
         other = await client.get("other-app:key")
+        # What dedup-demo: holds for each of the demo's values (any marker layout).
+        ranks = range(500)
+        space = KeySpace("dedup-demo")
+        claims = Claims(client, lease_ms=1, retention_ms=0, stats=Stats())
+        states = await claims.states([space.key(k, digest(v)) for k, v in map(value_of, ranks)])
     finally:
         await client.aclose()
     unique = _number(_table(run.stdout)["unique values"])
+    streamed = set(make_stream(2000, 500, 1.1, 1))  # the demo's default zipf and seed
     assert other == b"1"
-    assert len(demo_keys) == unique, "the demo's markers are not under dedup-demo:"
+    # One saved marker per unique value, all under dedup-demo:, and only the values
+    # of the stream saved there.
+    assert unique == len(streamed)
+    assert states.count("S") == unique, "the demo's markers are not under dedup-demo:"
+    assert {r for r in ranks if states[r] == "S"} == streamed
+    assert demo_markers == unique, "the demo's markers are not under dedup-demo:"
     assert after == before, "the demo purged (or wrote to) the default namespace dedup:"
 
 

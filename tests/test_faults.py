@@ -41,7 +41,9 @@ import pytest
 from redis.asyncio import Redis
 
 from dedup import DedupError, Gateway, Overloaded, Row, SaveResult, Unavailable
+from dedup.claims import Claims
 from dedup.keys import KeySpace, digest
+from dedup.metrics import Stats
 from dedup.migrate import upgrade_async
 from dedup.store import pg_insert
 from tests.servers import PostgresCluster, RedisServer
@@ -190,23 +192,31 @@ async def loaded(gateways: Sequence[Gateway], ledger: Ledger, *, both: bool) -> 
         await load.finish()
 
 
-async def markers(redis_url: str, keys: Sequence[Key]) -> list[bytes | None]:
-    """The Redis value of each key's (default namespace) entry."""
+async def markers(redis_url: str, keys: Sequence[Key]) -> str:
+    """What Redis holds for each key (default namespace), in any marker layout: one
+    letter per key, ``S`` saved, ``L`` leased, ``-`` absent."""
     space = KeySpace("dedup")
     client = Redis.from_url(redis_url)
     try:
-        values: list[Any] = await client.mget([space.key(k, digest(v)) for k, v in keys])
+        claims = Claims(client, lease_ms=1, retention_ms=0, stats=Stats())
+        return await claims.states([space.key(k, digest(v)) for k, v in keys])
     finally:
         await client.aclose()
-    return values
 
 
 async def leases_held(redis_url: str) -> int:
-    """How many keys of the default namespace hold a lease token (tokens start with L)."""
+    """How many keys of the default namespace hold a value's lease token (string keys
+    whose value starts with L). Marker buckets (hashes) and the shared writes' keys
+    (a set, a list, the writer lease whose token is hex) are not leases of values."""
     client = Redis.from_url(redis_url)
     try:
         keys = [k async for k in client.scan_iter(match=b"dedup:*", count=1000)]
-        values = await client.mget(keys) if keys else []
+        async with client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.type(key)
+            types: list[Any] = await pipe.execute()
+        strings = [k for k, t in zip(keys, types, strict=True) if t == b"string"]
+        values: list[Any] = await client.mget(strings) if strings else []
     finally:
         await client.aclose()
     return sum(1 for v in values if isinstance(v, bytes) and v[:1] == b"L")
@@ -228,9 +238,9 @@ async def resave_after(capsys: pytest.CaptureFixture[str], redis_url: str, pg_ur
     with capsys.disabled():
         print(f"[fault] {scenario}: saved again by a new gateway: {dict(sources)}", flush=True)
     for marker, result in zip(before, results, strict=True):
-        expected = (False, "redis") if marker == b"1" else (False, "db")
+        expected = (False, "redis") if marker == "S" else (False, "db")
         assert (result.created, result.source) == expected, (marker, result)
-    assert set(await markers(redis_url, acked)) == {b"1"}
+    assert set(await markers(redis_url, acked)) == {"S"}
     return sources
 
 
@@ -671,7 +681,8 @@ async def test_service_readyz_and_metrics_show_degraded(
     fresh_redis: RedisServer, pg_url: str, tmp_path: Path
 ) -> None:
     """/readyz stays 200 with "degraded": true while Redis is stopped (the database
-    answers); /metrics dedup_degraded follows; both return to normal after SIGCONT."""
+    answers), and says why ("reason": "unreachable"); /metrics dedup_degraded and
+    dedup_degraded_reason follow; both return to normal after SIGCONT."""
     env = service_env(
         fresh_redis.url,
         pg_url,
@@ -693,9 +704,12 @@ async def test_service_readyz_and_metrics_show_degraded(
                             return float(line.split()[1])
                 raise AssertionError(f"{name} not in /metrics")
 
+            unreachable = 'dedup_degraded_reason{reason="unreachable"}'
             status, body, _ = await request(http, "GET", "/readyz")
             assert (status, body["degraded"]) == (200, False)
+            assert "reason" not in body
             assert await metric("dedup_degraded") == 0
+            assert await metric(unreachable) == 0
             fresh_redis.pause()
             try:
                 status, body, _ = await request(
@@ -705,9 +719,15 @@ async def test_service_readyz_and_metrics_show_degraded(
                 status, body, _ = await request(http, "GET", "/readyz")
                 assert (status, body) == (
                     200,
-                    {"ready": True, "degraded": True, "checks": {"redis": False, "database": True}},
+                    {
+                        "ready": True,
+                        "degraded": True,
+                        "checks": {"redis": False, "database": True},
+                        "reason": "unreachable",  # stopped: it does not answer at all
+                    },
                 )
                 assert await metric("dedup_degraded") == 1
+                assert await metric(unreachable) == 1
                 assert await metric("dedup_breaker_opens_total") == 1
                 assert await metric("dedup_degraded_answers_total") == 1
             finally:
@@ -722,6 +742,9 @@ async def test_service_readyz_and_metrics_show_degraded(
                 assert time.monotonic() < deadline, "the circuit never closed"
                 await asyncio.sleep(0.05)
             assert await metric("dedup_degraded") == 0
+            assert await metric(unreachable) == 0
+            status, body, _ = await request(http, "GET", "/readyz")
+            assert "reason" not in body
             status, body, _ = await request(
                 http, "POST", "/v1/save", json={"kind": "d", "value": "while-stopped"}
             )

@@ -26,7 +26,9 @@ import asyncpg
 from redis.asyncio import Redis
 
 from dedup import Gateway
+from dedup.claims import Claims
 from dedup.keys import KeySpace, digest
+from dedup.metrics import Stats
 
 ROOT = Path(__file__).resolve().parent.parent
 LINE_TIMEOUT_S = 60.0  # generous: a child imports dedup and opens its Gateway in ~1 s
@@ -120,7 +122,8 @@ async def _table(pg_url: str) -> list[tuple[str, str]]:
 
 
 async def _namespace_keys(redis_url: str, namespace: str) -> dict[bytes, bytes | None]:
-    """Every Redis key of ``namespace`` and its value."""
+    """Every Redis key of ``namespace`` and its value (None for a key that is not a
+    string: a marker bucket, or a key of the shared writes)."""
     client = Redis.from_url(redis_url)
     try:
         keys = [k async for k in client.scan_iter(match=KeySpace(namespace).match_pattern)]
@@ -128,6 +131,61 @@ async def _namespace_keys(redis_url: str, namespace: str) -> dict[bytes, bytes |
     finally:
         await client.aclose()
     return dict(zip(keys, values, strict=True))
+
+
+def _shared_key(namespace: str, key: bytes) -> bool:
+    """Whether ``key`` is one of the shared writes' keys (``<ns>:{w}:...``: the fleet's
+    heartbeat set, the queue, the writer lease and its fence), not a value's."""
+    return key.startswith(namespace.encode() + b":{w}:")
+
+
+def _is_bucket(namespace: str, key: bytes) -> bool:
+    """Whether ``key`` names a compact marker bucket of ``namespace`` (``<ns>:m:<index>``)."""
+    head = namespace.encode() + b":m:"
+    return key.startswith(head) and key[len(head) :].isdigit()
+
+
+async def _value_keys(redis_url: str, namespace: str) -> dict[bytes, bytes | None]:
+    """The keys of ``namespace`` that belong to values (leases, old-layout markers):
+    :func:`_namespace_keys` without its marker buckets and shared-writes keys."""
+    keys = await _namespace_keys(redis_url, namespace)
+    return {
+        k: v
+        for k, v in keys.items()
+        if not _is_bucket(namespace, k) and not _shared_key(namespace, k)
+    }
+
+
+async def _marker_fields(redis_url: str, namespace: str) -> int:
+    """How many "saved" markers the compact buckets of ``namespace`` hold (each one a
+    field whose value is "1")."""
+    client = Redis.from_url(redis_url)
+    try:
+        buckets = [
+            k
+            async for k in client.scan_iter(match=KeySpace(namespace).match_pattern)
+            if _is_bucket(namespace, k)
+        ]
+        total = 0
+        for bucket in buckets:
+            values = await client.hvals(bucket)
+            assert set(values) == {b"1"}, bucket
+            total += len(values)
+    finally:
+        await client.aclose()
+    return total
+
+
+async def _states(redis_url: str, namespace: str, items: list[tuple[str, str]]) -> str:
+    """What Redis holds for each item, in any marker layout: ``S`` saved, ``L`` leased,
+    ``-`` absent (:meth:`dedup.claims.Claims.states`)."""
+    space = KeySpace(namespace)
+    client = Redis.from_url(redis_url)
+    try:
+        claims = Claims(client, lease_ms=1, retention_ms=0, stats=Stats())
+        return await claims.states([space.key(kind, digest(value)) for kind, value in items])
+    finally:
+        await client.aclose()
 
 
 def _keys_of(namespace: str, items: list[tuple[str, str]]) -> set[bytes]:
@@ -209,10 +267,12 @@ async def test_processes_save_overlapping_values_exactly_once(
     # One row per distinct value, and the rows are exactly the values saved.
     assert len(table) == len(distinct)
     assert sorted(table) == sorted(distinct)
-    # Redis holds one "saved" marker per value, all in this namespace.
-    keys = await _namespace_keys(redis_url, namespace)
-    assert set(keys) == _keys_of(namespace, distinct)
-    assert set(keys.values()) == {b"1"}
+    # Redis holds one "saved" marker per value, all in this namespace: every value
+    # reads saved, the buckets hold exactly one field per value, and no lease or other
+    # per-value key is left behind.
+    assert await _states(redis_url, namespace, distinct) == "S" * len(distinct)
+    assert await _marker_fields(redis_url, namespace) == len(distinct)
+    assert await _value_keys(redis_url, namespace) == {}
 
     # Namespaces are separate: this namespace answers from its markers, another
     # one has none and finds the rows in the database instead.
@@ -224,10 +284,10 @@ async def test_processes_save_overlapping_values_exactly_once(
         other = await gw.save_many(sample)
     assert {(r.created, r.source) for r in same} == {(False, "redis")}
     assert {(r.created, r.source) for r in other} == {(False, "db")}
-    assert set(await _namespace_keys(redis_url, other_namespace)) == _keys_of(
-        other_namespace, sample
-    )
-    assert len(await _namespace_keys(redis_url, namespace)) == len(distinct)
+    assert await _states(redis_url, other_namespace, sample) == "S" * len(sample)
+    assert await _marker_fields(redis_url, other_namespace) == len(sample)
+    assert await _value_keys(redis_url, other_namespace) == {}
+    assert await _marker_fields(redis_url, namespace) == len(distinct)
     assert len(await _table(pg_url)) == len(distinct)
 
 
@@ -248,10 +308,13 @@ async def test_sigkilled_lease_holder_is_taken_over_after_its_lease(
     assert holder.read_line() == f"HOLDING {len(items)}"  # its claim won every value
 
     # The leases are really held: one key per value, each a token (not the "saved"
-    # marker "1") with an expiry.
-    keys = await _namespace_keys(redis_url, namespace)
+    # marker "1") with an expiry, and no value reads saved. (Beside them the namespace
+    # may hold the shared writes' heartbeat set, ``<ns>:{w}:fleet``.)
+    keys = await _value_keys(redis_url, namespace)
     assert set(keys) == _keys_of(namespace, items)
     assert b"1" not in set(keys.values())
+    assert await _states(redis_url, namespace, items) == "L" * len(items)
+    assert await _marker_fields(redis_url, namespace) == 0
     client = Redis.from_url(redis_url)
     try:
         ttls = [await client.pttl(k) for k in list(keys)[:10]]
@@ -278,4 +341,6 @@ async def test_sigkilled_lease_holder_is_taken_over_after_its_lease(
     # The first claims found the dead writer's leases and waited for them to expire.
     assert stats.busy > 0
     assert stats.wait_timeouts == 0 and stats.lost_leases == 0
-    assert set((await _namespace_keys(redis_url, namespace)).values()) == {b"1"}
+    assert await _states(redis_url, namespace, items) == "S" * len(items)
+    assert await _marker_fields(redis_url, namespace) == len(items)
+    assert await _value_keys(redis_url, namespace) == {}

@@ -28,7 +28,9 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import make_mocked_request
 
 from dedup import ConfigError, Gateway, InvalidInput, Unavailable
-from dedup.keys import KeySpace, digest
+from dedup.claims import Claims
+from dedup.keys import KeySpace, MarkerLayout, digest
+from dedup.metrics import Stats
 from dedup.service import _authorized
 from tests.servers import RedisServer, free_port
 from tests.test_service import (
@@ -427,33 +429,155 @@ async def test_size_limits(service: ServiceProcess, redis_url: str, pg_url: str)
 # -------------------------------------------------------------------------------- keys
 
 
+async def _redis_contents(client: aioredis.Redis) -> dict[bytes, tuple[bytes, list[bytes]]]:
+    """Every key of the server, its type and every byte string it holds (a string's
+    value; a hash's fields and values; a list's entries; a set's members)."""
+    out: dict[bytes, tuple[bytes, list[bytes]]] = {}
+    async for key in client.scan_iter(count=1000):
+        kind: Any = await client.type(key)
+        held: Any
+        if kind == b"string":
+            held = [await client.get(key)]
+        elif kind == b"hash":
+            held = [b for pair in (await client.hgetall(key)).items() for b in pair]
+        elif kind == b"list":
+            held = await client.lrange(key, 0, -1)
+        elif kind == b"zset":
+            held = await client.zrange(key, 0, -1)
+        elif kind == b"set":
+            held = list(await client.smembers(key))
+        else:
+            raise AssertionError(f"unexpected Redis type {kind!r} of {key!r}")
+        out[key] = (kind, held)
+    return out
+
+
 async def test_redis_keys_are_digests_only(redis_url: str, pg_url: str) -> None:
     """After saves (and a lease left by a failed write), no Redis key or stored string
-    holds a value's or a kind's text: keys are the prefix plus 24 digest bytes."""
+    holds a value's or a kind's text: markers are fields of buckets named after the
+    namespace and a digest-derived index, each field a slice of the value's digest
+    (XOR the kind's), holding "1"; no lease key is left.
+
+    Writes here are per process (``shared_writes="off"``): the shared write queue
+    carries values while rows wait (see
+    :func:`test_shared_write_queue_holds_values_while_rows_wait`)."""
     kinds = ["customer-email", "card-number"]
     values = [f"alice.{i}@example.com-{secrets.token_hex(4)}" for i in range(50)]
 
     async def refuse(rows: Any) -> list[tuple[str, bytes]]:
         raise RuntimeError("the sink is down")
 
-    async with Gateway(redis_url, pg_url, namespace="dedup") as gw:
+    async with Gateway(redis_url, pg_url, namespace="dedup", shared_writes="off") as gw:
         await gw.save_many([(k, v, {"note": v}) for k in kinds for v in values])
-    async with Gateway(redis_url, sink=refuse, namespace="other-ns", lease_ms=60_000) as gw:
+    async with Gateway(
+        redis_url, sink=refuse, namespace="other-ns", lease_ms=60_000, shared_writes="off"
+    ) as gw:
         with pytest.raises(Unavailable):
             await gw.save("customer-email", values[0])
     client = aioredis.Redis.from_url(redis_url)
     try:
-        keys = [k async for k in client.scan_iter(count=1000)]
-        stored = [await client.get(k) for k in keys]
+        contents = await _redis_contents(client)
+        space = KeySpace("dedup")
+        value_keys = [space.key(k, digest(v)) for k in kinds for v in values]
+        claims = Claims(client, lease_ms=1, retention_ms=0, stats=Stats())
+        states = await claims.states(value_keys)
     finally:
         await client.aclose()
-    assert len(keys) == len(kinds) * len(values)  # the failed write released its lease
-    space = KeySpace("dedup")
-    expected = {space.key(k, digest(v)) for k in kinds for v in values}
-    assert set(keys) == expected
+    assert states == "S" * len(value_keys)  # every value saved, in the compact layout
+    # Exactly the buckets and fields the digests give, one field per value; nothing
+    # else: the failed write released its lease, no per-value key is left.
+    layout = MarkerLayout()
+    expected: dict[bytes, set[bytes]] = {}
+    for key in value_keys:
+        (bucket,), field = layout.locate(key)
+        expected.setdefault(bucket, set()).add(field)
+    assert sum(len(fields) for fields in expected.values()) == len(value_keys)
+    assert set(contents) == set(expected)
     texts = [t.encode() for t in kinds + values] + [t.encode()[:8] for t in values]
-    for key, value in zip(keys, stored, strict=True):
-        assert key.startswith(b"dedup:") and len(key) == len(b"dedup:") + 8 + 16, key
-        assert value == b"1", value  # saved markers: no text of the caller's
+    for bucket, (kind, held) in contents.items():
+        assert kind == b"hash", (bucket, kind)
+        assert re.fullmatch(rb"dedup:m:[0-9]+", bucket), bucket
+        fields, markers = held[0::2], held[1::2]
+        assert set(fields) == expected[bucket]
+        assert all(len(f) == layout.field_bytes == 10 for f in fields), fields
+        assert set(markers) == {b"1"}, markers  # saved markers: no text of the caller's
         for text in texts:
-            assert text not in key
+            assert text not in bucket
+            for f in fields:
+                assert text not in f
+
+
+async def test_shared_write_queue_holds_values_while_rows_wait(redis_url: str) -> None:
+    """KNOWN, reported: with shared writes (``shared_writes="on"``, or ``"auto"`` with more
+    than one gateway alive), a winner's row waits in the list ``<ns>:{w}:queue`` for the
+    fleet's writer, and each entry is JSON holding the kind, the value and the payload
+    in clear. So while rows wait, Redis does hold callers' values: the promise of
+    :func:`test_redis_keys_are_digests_only` is kept only with ``shared_writes="off"``
+    (or a single gateway under "auto"). Once the rows are written, the queue is empty
+    (gone) and Redis again holds no text of the caller's. This test documents the
+    behaviour; it fails once the queue no longer carries values in clear."""
+    kind = "customer-email"
+    values = [f"bob.{i}@example.com-{secrets.token_hex(4)}" for i in range(3)]
+    release = asyncio.Event()
+    calls: list[list[Any]] = []
+
+    async def held(rows: Any) -> list[tuple[str, bytes]]:
+        calls.append(list(rows))
+        await release.wait()
+        return [(r.kind, r.digest) for r in rows]
+
+    async def until(what: str, check: Any) -> None:
+        for _ in range(500):
+            if await check():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    async def sink_calls(n: int) -> bool:
+        return len(calls) >= n
+
+    client = aioredis.Redis.from_url(redis_url)
+    queue_key, writer_key = b"dedup:{w}:queue", b"dedup:{w}:writer"
+    tasks: list[asyncio.Task[Any]] = []
+    try:
+        # One row per statement: the writer keeps two statements in flight, so with
+        # both held in the sink a third row stays queued.
+        async with Gateway(
+            redis_url, sink=held, shared_writes="on", max_batch=1, lease_ms=60_000
+        ) as gw:
+
+            async def writer_stands() -> bool:
+                return bool(await client.exists(writer_key))
+
+            await until("the gateway to stand as the shared writer", writer_stands)
+            for n, value in enumerate(values[:2], start=1):
+                tasks.append(asyncio.create_task(gw.save(kind, value, {"note": value})))
+                await until(f"statement {n} in the sink", lambda n=n: sink_calls(n))
+
+            async def queued() -> bool:
+                return bool(await client.llen(queue_key))
+
+            tasks.append(asyncio.create_task(gw.save(kind, values[2], {"note": values[2]})))
+            await until("a row waiting in the queue", queued)
+            entries = await client.lrange(queue_key, 0, -1)
+            assert len(entries) == 1
+            entry = orjson.loads(entries[0])
+            # [gateway id, lease key hex, kind, digest hex, value, payload JSON]
+            assert entry[2] == kind
+            assert entry[4] == values[2]  # the value itself, in Redis
+            assert values[2].encode() in entries[0]
+            release.set()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        assert [(r.created, r.source) for r in results] == [(True, "write")] * 3
+        contents = await _redis_contents(client)
+    finally:
+        release.set()
+        for task in tasks:
+            task.cancel()
+        await client.aclose()
+    assert queue_key not in contents  # drained: a list with no entries is no key
+    texts = [kind.encode()] + [v.encode() for v in values] + [v.encode()[:8] for v in values]
+    for key, (_, held_bytes) in contents.items():
+        for text in texts:
+            assert text not in key, key
+            assert all(text not in b for b in held_bytes), (key, held_bytes)

@@ -344,6 +344,15 @@ async def test_a_worker_that_cannot_start_backs_off_while_the_others_serve(
         try:
             os.kill(victim, signal.SIGKILL)
 
+            async def victim_reaped() -> bool:
+                return f"(pid {victim}) exited with -9" in svc.log_text()
+
+            # Until the last of its threads has exited and closed its listening socket
+            # (its main thread may already show as a zombie), the kernel may still hand
+            # the victim a new connection, which its exit then resets: save only once
+            # the supervisor has reaped it.
+            await until("the supervisor to reap the killed worker", victim_reaped)
+
             async def retried_three_times() -> bool:
                 return "consecutive failures: 3" in svc.log_text()
 
