@@ -122,6 +122,7 @@ class SharedWrites:
         self._writing = 0
         self._popping = False
         self._lease_s = lease_s
+        self._queue_ttl_ms = max(1000, int(lease_s * 2000))
         self._write_timeout_s = write_timeout_s
         prefix = namespace + ":{w}:"  # one hash tag: every shared key in one slot
         self._queue_key = (prefix + "queue").encode()
@@ -178,7 +179,13 @@ class SharedWrites:
             for f in won
         ]
         self._stats.redis_round_trips += 1
-        await self._client.rpush(self._queue_key, *rows)
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.rpush(self._queue_key, *rows)
+            # The rows carry values in clear: none outlives its use. A row older than a
+            # lease is written by its claimant anyway, so the queue of a fleet that died
+            # vanishes two leases after its last push.
+            pipe.pexpire(self._queue_key, self._queue_ttl_ms)
+            await pipe.execute()
         self._stats.shared_rows_queued += len(rows)
         due = self._loop.time() + self._lease_s + _RECHECK_MARGIN_S
         recheck = self._waits.recheck_at

@@ -69,7 +69,7 @@ def test_no_config_file_means_defaults(tmp_path: Path, monkeypatch: pytest.Monke
         ("", {"DEDUP_WORKERS": "0"}, "workers must be 1-256"),
         ("", {"DEDUP_WORKERS": "2", "DEDUP_PORT": "0"}, "workers > 1 needs a fixed port"),
         ("", {"DEDUP_MAX_BODY_BYTES": "0"}, "max_body_bytes must be at least 1"),
-        ("", {"DEDUP_DRAIN_TIMEOUT_S": "0"}, "drain_timeout_s must be positive"),
+        ("", {"DEDUP_DRAIN_TIMEOUT_S": "0"}, "drain_timeout_s must be a positive finite number"),
         ("", {"DEDUP_LOG_LEVEL": "loud"}, "log_level must be one of"),
         ("", {"DEDUP_ACCESS_LOG": "sometimes"}, "must be bool"),
         ("", {"DEDUP_HOST": ""}, "host must not be empty"),
