@@ -478,3 +478,50 @@ def _worker_pids(pid: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile
     return found
+
+
+async def test_serves_while_redis_is_down_at_start_then_uses_it(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """`dedup serve` listens with Redis down, answers new values (201) through the
+    database, says so in /readyz, and leaves degraded mode once Redis starts."""
+    from tests.servers import free_port
+
+    port = free_port()
+    env = service_env(
+        f"redis://127.0.0.1:{port}/0", pg_url, DEDUP_BREAKER_COOLDOWN_S="0.2",
+        DEDUP_REDIS_TIMEOUT_S="0.5",
+    )  # fmt: skip
+    svc = spawn_service(tmp_path, env)
+    try:
+        await wait_healthy(svc)
+        async with aiohttp.ClientSession(
+            base_url=svc.url, timeout=aiohttp.ClientTimeout(total=60)
+        ) as http:
+            status, body, _ = await request(
+                http, "POST", "/v1/save", json={"kind": "down-at-start", "value": "a"}
+            )
+            assert (status, body) == (201, {"created": True, "source": "write"})
+            status, ready, _ = await request(http, "GET", "/readyz")
+            assert status == 200 and ready["degraded"] is True
+            assert ready["reason"] == "unreachable" and ready["checks"]["redis"] is False
+            with RedisServer(port):
+                deadline = time.monotonic() + WAIT
+                while True:
+                    status, ready, _ = await request(http, "GET", "/readyz")
+                    if status == 200 and not ready["degraded"]:
+                        break
+                    assert time.monotonic() < deadline, ready
+                    await asyncio.sleep(0.1)
+                assert "reason" not in ready
+                status, body, _ = await request(
+                    http, "POST", "/v1/save", json={"kind": "down-at-start", "value": "b"}
+                )
+                assert (status, body) == (201, {"created": True, "source": "write"})
+                status, body, _ = await request(
+                    http, "POST", "/v1/save", json={"kind": "down-at-start", "value": "a"}
+                )
+                assert status == 200 and body["created"] is False
+    finally:
+        svc.stop()
+    assert "starting degraded" in svc.log_text()
