@@ -413,6 +413,14 @@ async def test_json_logs_parse_line_by_line(
         assert await _save(svc, "j", "x") == 201
         os.kill(min(workers), signal.SIGKILL)  # the supervisor logs it, as JSON too
         await until("the worker to be replaced", lambda: _replaced(svc, workers, seen_pids))
+        # The save above may have been answered by the worker just killed, before its
+        # access line was written: a save now, by a live worker, is logged for sure.
+        assert await _save(svc, "j", "y") == 201
+
+        async def logged() -> bool:
+            return '"POST /v1/save' in svc.log_text()
+
+        await until("the access line", logged)
         svc.terminate()
         assert await wait_exit(svc) == 0, svc.log_text()
     finally:
