@@ -54,9 +54,10 @@ class ClaimStage:
 
     async def run(self, batch: list[Flight]) -> None:
         """Claim ``batch`` in one script call and route every value by its answer."""
-        batch = [f for f in batch if not f.done]  # a shared writer's word may have come
-        if not batch:
-            return
+        if self.shared is not None:  # the fleet writer's word may have answered some
+            batch = [f for f in batch if not f.done]
+            if not batch:
+                return
         started = self._loop.time()
         try:
             letters = await self._claims.claim([f.key for f in batch])

@@ -126,18 +126,6 @@ class FlightTable:
             if not waiter.done():  # a cancelled caller's future is done already
                 waiter.set_result(source)
 
-    def resolve_many(self, flights: list[Flight], sources: list[Source]) -> None:
-        """:meth:`resolve` for a whole batch at once (the write stage's answers)."""
-        inflight, add = self.inflight, self._local.add
-        for f, source in zip(flights, sources, strict=True):
-            if inflight.get(f.key) is f:
-                del inflight[f.key]
-            add(f.kind, f.digest)
-            f.done = True
-            for waiter in f.waiters:
-                if not waiter.done():
-                    waiter.set_result(source)
-
     def fail(self, f: Flight, error: ErrorFactory) -> None:
         """The save failed: every caller gets an exception of its own from ``error``."""
         # Failures are not cached: the next save of the value starts afresh.

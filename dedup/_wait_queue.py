@@ -73,15 +73,11 @@ class WaitQueue:
         due = now + f.backoff * (0.5 + self._rand())
         # Round up to a shared tick so that waiters wake (and re-claim) together.
         due = min(math.ceil(due / WAKE_TICK_S) * WAKE_TICK_S, f.deadline)
-        self._seq += 1
-        heapq.heappush(self._heap, (due, self._seq, f))
-        if self._heap[0][2] is f:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = self._loop.call_at(due, self._wake)
+        self.recheck_at(f, due)
 
     def recheck_at(self, f: Flight, due: float) -> None:
-        """Claim ``f`` again at ``due`` unless it is answered before (a queued row)."""
+        """Claim ``f`` again at ``due`` unless it is answered before (a busy value, or a
+        row queued for the fleet's writer)."""
         self._seq += 1
         heapq.heappush(self._heap, (due, self._seq, f))
         if self._heap[0][2] is f:

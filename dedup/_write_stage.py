@@ -23,7 +23,7 @@ from dedup._flights import Flight, FlightTable
 from dedup.claims import Claims
 from dedup.errors import Unavailable
 from dedup.metrics import Stats
-from dedup.types import BatchWriter, Row, Source
+from dedup.types import BatchWriter, Row
 
 __all__ = ["WriteStage"]
 
@@ -118,9 +118,14 @@ class WriteStage:
         except Exception as exc:
             stats.db_errors += 1
             return "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc!r}"
-        sources: list[Source] = ["write" if (f.kind, f.digest) in inserted else "db" for f in batch]
-        self._flights.resolve_many(batch, sources)
-        created = sources.count("write")
+        resolve = self._flights.resolve
+        created = 0
+        for f in batch:
+            if (f.kind, f.digest) in inserted:
+                created += 1
+                resolve(f, "write")
+            else:
+                resolve(f, "db")
         stats.write += created
         stats.db += len(batch) - created
         return None
