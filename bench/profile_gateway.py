@@ -7,10 +7,10 @@
 
 The first form starts a throwaway redis-server and PostgreSQL (dedup.servers),
 then runs one strategy of ``dedup bench`` (``dedup`` or ``db-only``...) on its
-Zipf(1.1) stream in this process, and prints requests/s. ``--summary`` reads
-py-spy's raw output and prints the functions with the most samples, counting only
-samples taken while the stream ran (not the servers' start or the stream's
-generation). Not a test.
+Zipf(1.1) or uniform stream (``--workload``, ``--callers``) in this process, and
+prints requests/s. ``--summary`` reads py-spy's raw output and prints the
+functions with the most samples, counting only samples taken while the stream ran
+(not the servers' start or the stream's generation). Not a test.
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ _IN_RUN = ("run_one", "Gateway.", "_DbOnly", "uvloop")
 _SETUP = ("_values", "make_stream", "PostgresCluster", "_Managed", "upgrade")
 
 
-async def _run(strategy: str, requests: int, redis_url: str, pg_url: str) -> None:
-    values = bench._values("zipf", bench.BenchConfig(requests=requests))
+async def _run(
+    strategy: str, workload: str, callers: int, requests: int, redis_url: str, pg_url: str
+) -> None:
+    values = bench._values(workload, bench.BenchConfig(requests=requests))
     await bench._reset(redis_url, pg_url)
-    result = await bench.run_one(strategy, values, 256, redis_url, pg_url)
+    result = await bench.run_one(strategy, values, callers, redis_url, pg_url)
     rate = len(values) / result["seconds"]
     print(f"{strategy}: {rate:,.0f} requests/s, p99 {result['p99_ms']:.1f} ms", flush=True)
 
@@ -66,6 +68,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("strategy", nargs="?", default="dedup")
     parser.add_argument("--requests", type=int, default=600_000)
+    parser.add_argument("--workload", choices=bench.WORKLOADS, default="zipf")
+    parser.add_argument("--callers", type=int, default=256)
     parser.add_argument("--summary", type=Path, help="summarise a py-spy raw profile instead")
     args = parser.parse_args()
     if args.summary is not None:
@@ -74,7 +78,9 @@ def main() -> None:
     with RedisServer() as redis_server, PostgresCluster() as pg:
         url = pg.create_database("profile")
         upgrade(url)
-        run_loop(_run(args.strategy, args.requests, redis_server.url, url))
+        run_loop(
+            _run(args.strategy, args.workload, args.callers, args.requests, redis_server.url, url)
+        )
 
 
 if __name__ == "__main__":

@@ -239,6 +239,8 @@ class MarkerLayout:
     __slots__ = (
         "_field_mask",
         "_kinds",
+        "_locator_bytes",
+        "_locator_mask",
         "_shift",
         "buckets_per_tag",
         "field_bytes",
@@ -261,6 +263,8 @@ class MarkerLayout:
         self.guaranteed_bits = name_bits + 8 * self.field_bytes
         self._shift = 96 - 8 * self.field_bytes
         self._field_mask = (1 << 8 * self.field_bytes) - 1
+        self._locator_bytes = 3 + self.field_bytes
+        self._locator_mask = (1 << 8 * self._locator_bytes) - 1
         self._kinds: dict[bytes, int] = {}
 
     def locate(
@@ -281,6 +285,19 @@ class MarkerLayout:
         field = (x >> self._shift & self._field_mask).to_bytes(self.field_bytes)
         head = key[:-_TAIL_BYTES]
         return [b"%sm%s:%d" % (head, g, index) for g in generations], field
+
+    def locator(self, key: bytes) -> bytes:
+        """What the compact scripts need besides ``key`` to find its marker: the 3 bytes
+        whose value modulo ``buckets_per_tag`` is the bucket index, then the field (the
+        scripts name the bucket themselves, as :meth:`locate` does)."""
+        kind = key[-_TAIL_BYTES:-DIGEST_BYTES]
+        mask = self._kinds.get(kind)
+        if mask is None:
+            mask = int.from_bytes(kind + kind)
+            if len(self._kinds) < 4096:
+                self._kinds[kind] = mask
+        x = int.from_bytes(key[-DIGEST_BYTES:]) ^ mask
+        return (x >> self._shift & self._locator_mask).to_bytes(self._locator_bytes)
 
     def collision_chance(self, saved: float, new: float) -> float:
         """The chance that any of ``new`` values is taken for one of ``saved`` ones."""

@@ -103,23 +103,40 @@ _LEASE = """
       out[i] = 'B'
     end"""
 
+# Where the compact layout keeps a value's marker, from its lease key and its locator
+# (see dedup.keys.MarkerLayout.locator): the bucket is named after the key's head, the
+# generation and the index in the locator's first 3 bytes; the field is the rest. The
+# bucket is not in KEYS, but it carries the lease key's head, hash tag included, so it
+# always lives in the lease key's Cluster slot.
+_BUCKET = """
+local function bucket(key, loc, gen)
+  local b1, b2, b3 = string.byte(loc, 1, 3)
+  local index = (b1 * 65536 + b2 * 256 + b3) % per_tag
+  return string.sub(key, 1, #key - 24) .. 'm' .. gen .. ':' .. index
+end
+"""
+
 CLAIM_COMPACT = (
     """
--- KEYS: the lease keys of one batch (n, each at most once), then for each value in
---   order its marker bucket in each of the g generations read, newest first (n*g)
--- ARGV[1]: the claimant's token; ARGV[2]: the lease in milliseconds; ARGV[3]: g;
---   ARGV[3+i]: the marker field of value i
--- Returns: one letter per value, in order: S = already saved (its field is in one of
---   its buckets, or its lease key holds an old-layout "1"), W = won (lease set, or
---   extended because the token is already ours), B = busy (another claimant's lease)
-local token, lease, g = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local n = #ARGV - 3
+-- KEYS: the lease keys of one batch (n, each at most once)
+-- ARGV[1]: the claimant's token; ARGV[2]: the lease in milliseconds; ARGV[3]: buckets
+--   per hash tag; ARGV[4]: g, the generations read; ARGV[4+j]: their names, newest
+--   first; ARGV[4+g+i]: the locator of value i (3 bytes of bucket index, then its field)
+-- Returns: one letter per value, in order: S = already saved (its field is in its
+--   bucket of one of the generations, or its lease key holds an old-layout "1"),
+--   W = won (lease set, or extended because the token is already ours), B = busy
+--   (another claimant's lease)
+local token, lease, per_tag = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local g = tonumber(ARGV[4])
+"""
+    + _BUCKET
+    + """
 local out = {}
-for i = 1, n do
-  local field, saved = ARGV[3 + i], false
-  local base = n + (i - 1) * g
+for i = 1, #KEYS do
+  local loc, saved = ARGV[4 + g + i], false
+  local field = string.sub(loc, 4)
   for j = 1, g do
-    if redis.call('HEXISTS', KEYS[base + j], field) == 1 then
+    if redis.call('HEXISTS', bucket(KEYS[i], loc, ARGV[4 + j]), field) == 1 then
       saved = true
       break
     end
@@ -135,30 +152,35 @@ return table.concat(out)
 """
 )
 
-COMMIT_COMPACT = """
--- KEYS: the lease keys whose rows are committed (n), then each value's marker bucket
---   in the current generation (n)
+COMMIT_COMPACT = (
+    """
+-- KEYS: the lease keys whose rows are committed (n)
 -- ARGV[1]: the committer's token; ARGV[2]: when the current generation's buckets
---   expire, Unix time in ms, 0 = never; ARGV[2+i]: the marker field of value i
+--   expire, Unix time in ms, 0 = never; ARGV[3]: buckets per hash tag; ARGV[4]: the
+--   current generation's name; ARGV[4+i]: the locator of value i
 -- Returns: how many of the lease keys still held the committer's lease
 -- The row is durable, so the value becomes "saved" whoever holds the lease now (a lost
 -- lease is not an error) and the lease key goes: another claimant's lease, or an
 -- old-layout "1", which the field now replaces. The field is set before the lease key
 -- goes, so a failure in between leaves a lease that expires, never a gap.
-local token, at = ARGV[1], tonumber(ARGV[2])
-local n = #KEYS / 2
+local token, at, per_tag, gen = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+"""
+    + _BUCKET
+    + """
 local held = 0
-for i = 1, n do
-  local key, bucket = KEYS[i], KEYS[n + i]
+for i, key in ipairs(KEYS) do
+  local loc = ARGV[4 + i]
+  local b = bucket(key, loc, gen)
   if redis.call('GET', key) == token then held = held + 1 end
-  redis.call('HSET', bucket, ARGV[2 + i], '1')
+  redis.call('HSET', b, string.sub(loc, 4), '1')
   redis.call('DEL', key)
-  if at > 0 and redis.call('PTTL', bucket) < 0 then
-    redis.call('PEXPIREAT', bucket, at)
+  if at > 0 and redis.call('PTTL', b) < 0 then
+    redis.call('PEXPIREAT', b, at)
   end
 end
 return held
 """
+)
 
 CLAIM_BLOOM = (
     """

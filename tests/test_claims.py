@@ -83,6 +83,32 @@ async def test_compact_claim_commit_abort(client: Redis) -> None:
     assert await client.exists(keys[5]) == 0
 
 
+@pytest.mark.parametrize(("buckets", "shards"), [(65536, 0), (1000, 0), (1, 0), (600, 3)])
+async def test_scripts_name_the_buckets_and_fields_the_layout_does(
+    client: Redis, buckets: int, shards: int
+) -> None:
+    # The scripts build bucket names from the lease key and its locator; MarkerLayout
+    # .locate, which states() and tools use, must name the same ones.
+    space = KeySpace("dedup", cluster_shards=shards)
+    gw = claims(client, marker_buckets=buckets, cluster_shards=shards, retention_ms=60_000)
+    keys = [
+        *keys_of(*(f"n{i}" for i in range(150)), space=space),
+        *keys_of(*(f"n{i}" for i in range(150)), kind="phone", space=space),
+    ]
+    assert await gw.claim(keys) == "W" * 300
+    assert await gw.commit(keys) == 300
+    reads, _ = gw.generations()
+    expected = set()
+    for key in keys:
+        (bucket, _), field = gw.markers.locate(key, reads)
+        expected.add((bucket, field))
+    found = set()
+    async for bucket in client.scan_iter(match=b"dedup:*m*"):
+        found.update((bucket, field) for field in await client.hkeys(bucket))
+    assert found == expected
+    assert await gw.states(keys) == "S" * 300
+
+
 async def test_compact_retries_are_safe(client: Redis) -> None:
     gw = claims(client)
     keys = keys_of("a", "b")

@@ -7,9 +7,19 @@ import hashlib
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from redis.asyncio.connection import Connection
 
 from dedup import InvalidInput
-from dedup.keys import KeySpace, Limits, digest, encode_payload, validate_kind, validate_value
+from dedup._packing import fast_packing
+from dedup.keys import (
+    KeySpace,
+    Limits,
+    MarkerLayout,
+    digest,
+    encode_payload,
+    validate_kind,
+    validate_value,
+)
 from dedup.local import SavedCache
 from dedup.scripts import ABORT, CLAIM, COMMIT, Script
 
@@ -129,3 +139,31 @@ def test_scripts_have_stable_shas_and_headers() -> None:
         script = Script(source)
         assert script.sha == hashlib.sha1(source.encode()).hexdigest()
         assert "-- KEYS:" in source and "-- ARGV" in source and "-- Returns:" in source
+
+
+_ARG = st.one_of(
+    st.binary(max_size=40),
+    st.text(max_size=20),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False),
+)
+
+
+@settings(deadline=None, max_examples=300)
+@given(name=st.sampled_from(["EVALSHA", "GET", "SCRIPT LOAD", "HSET"]), args=st.lists(_ARG))
+def test_fast_packing_sends_what_redis_py_sends(name: str, args: list[object]) -> None:
+    fast, plain = fast_packing(Connection)(), Connection()
+    assert fast_packing(Connection) is type(fast)  # one subclass per class
+    sent = b"".join(fast.pack_command(name, *args))
+    assert sent == b"".join(plain.pack_command(name, *args))
+
+
+def test_marker_locators_hold_the_bucket_index_and_the_field() -> None:
+    for buckets, shards in ((65536, 0), (1000, 4), (1, 0)):
+        layout, space = MarkerLayout(marker_buckets=buckets, cluster_shards=shards), KeySpace("n")
+        for i in range(200):
+            key = space.key("k", digest(str(i)))
+            (bucket,), field = layout.locate(key)
+            loc = layout.locator(key)
+            assert loc[3:] == field and len(loc) == 3 + layout.field_bytes
+            assert bucket.endswith(b":%d" % (int.from_bytes(loc[:3]) % layout.buckets_per_tag))
