@@ -102,7 +102,7 @@ async def test_scripts_name_the_buckets_and_fields_the_layout_does(
     for key in keys:
         (bucket, _), field = gw.markers.locate(key, reads)
         expected.add((bucket, field))
-    found: set[tuple[bytes, bytes]] = set()
+    found: set[tuple[Any, Any]] = set()
     async for bucket in client.scan_iter(match=b"dedup:*m*"):
         found.update((bucket, field) for field in await client.hkeys(bucket))
     assert found == expected
