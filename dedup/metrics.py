@@ -13,9 +13,11 @@ class Stats:
 
     Answers: ``local``, ``inflight``, ``redis``, ``db``, ``write`` count saves
     by where their answer came from (``write`` is the number of ``created=True``).
-    Work: ``redis_round_trips`` (script calls and other commands sent),
-    ``db_statements`` (one per write batch) and ``db_rows_sent`` (rows offered to the sink,
-    including those that turned out to exist already).
+    Work: ``redis_round_trips`` (script calls and other commands sent; on a cluster one
+    per node pipeline), ``redis_batches`` (claim, commit and abort script calls: one per
+    batch however many nodes it spans, so a batch's sequential round trip),
+    ``db_statements`` (one per write batch) and ``db_rows_sent`` (rows offered to the
+    sink, including those that turned out to exist already).
     Events: ``claim_batches``, ``busy`` (answers "another
     writer holds it", each re-checked later), ``reclaims`` (winners whose lease
     was nearly spent and was renewed before writing), ``lost_leases`` (rows
@@ -35,6 +37,7 @@ class Stats:
     db: int = 0
     write: int = 0
     redis_round_trips: int = 0
+    redis_batches: int = 0
     db_statements: int = 0
     db_rows_sent: int = 0
     claim_batches: int = 0
