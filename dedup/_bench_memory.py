@@ -21,6 +21,9 @@ Layouts (:data:`LAYOUTS`):
 * ``keys``: one key per value holding "1" (the layout before issue 12);
 * ``approximate``: the Bloom filter sized for the values at ``fp_rate``.
 
+:func:`gateway_memory` measures through the Gateway on the bench's own Redis: one
+server, or a Redis Cluster with ``used_memory`` summed over its primaries.
+
 Figures depend on the Redis version and allocator (jemalloc here): never asserted on.
 """
 
@@ -33,9 +36,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from dedup import Gateway
-from dedup._bench_procs import reset
+from dedup._bench_procs import admin_client, reset
 from dedup._bench_strategies import KIND
 from dedup.bloom import BloomSpec
 from dedup.claims import Claims
@@ -222,20 +226,37 @@ async def measure_layouts(
     return rows
 
 
-async def gateway_memory(redis_url: str, pg_url: str, n: int) -> dict[str, float]:
+async def _used_memory(client: Redis | RedisCluster) -> int:
+    """``used_memory`` of one Redis, or the sum over every primary of a cluster."""
+    if isinstance(client, RedisCluster):
+        await client.initialize()
+        total = 0
+        for node in client.get_primaries():
+            total += int((await client.info("memory", target_nodes=node))["used_memory"])
+        return total
+    return int((await client.info("memory"))["used_memory"])
+
+
+async def gateway_memory(
+    redis_url: str, pg_url: str, n: int, *, local: bool = True
+) -> dict[str, float]:
     """Redis bytes per value saved through the Gateway (on the bench's Redis, its
-    settings) and the local tier's bytes per entry."""
+    settings; on a Redis Cluster, ``used_memory`` summed over the primaries) and, unless
+    not ``local``, the local tier's bytes per entry."""
     await reset(redis_url, pg_url)
-    r = Redis.from_url(redis_url)
+    r = admin_client(redis_url)
     try:
-        before = int((await r.info("memory"))["used_memory"])
+        before = await _used_memory(r)
         async with Gateway(redis_url, pg_url, namespace="mem", local_cache_size=0) as gw:
             step = 5000
             for start in range(0, n, step):
                 await gw.save_many([(KIND, f"m{i}") for i in range(start, min(n, start + step))])
-        after = int((await r.info("memory"))["used_memory"])
+        after = await _used_memory(r)
     finally:
         await r.aclose()
+    saved = {"redis_bytes_per_saved_value": (after - before) / n, "memory_values": n}
+    if not local:
+        return saved
     # The local tier: everything it allocates (its dict and its keys) per entry, once
     # filled, and again once as many new values went through it (each one evicting): the
     # dict has then been rebuilt under churn, which is the size a long-running gateway keeps.
@@ -252,7 +273,7 @@ async def gateway_memory(redis_url: str, pg_url: str, n: int) -> dict[str, float
     tracemalloc.stop()
     assert len(cache) <= size
     return {
-        "redis_bytes_per_saved_value": (after - before) / n,
+        "redis_bytes_per_saved_value": saved["redis_bytes_per_saved_value"],
         "local_cache_bytes_per_entry": filled / size,
         "local_cache_bytes_per_entry_churned": churned / size,
         "memory_values": n,

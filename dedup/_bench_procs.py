@@ -3,9 +3,10 @@
 Every run is one or more OS processes (``python -c ...worker_main``), each with its
 round-robin share of the stream and of the callers, started together. The parent
 merges the processes' raw latencies (real percentiles), sums their CPU time
-(``getrusage`` around the run) and reads the servers' own counts: Redis round trips
-from ``INFO commandstats``, transactions from ``pg_stat_database``, and the CPU time of
-the redis-server and PostgreSQL processes when the bench started them. Between runs
+(``getrusage`` around the run) and reads the servers' own counts: Redis commands from
+``INFO commandstats`` (of every primary on a Redis Cluster, and per node),
+transactions from ``pg_stat_database``, and the CPU time of the redis-server processes
+(every node of a cluster) and of PostgreSQL when the bench started them. Between runs
 :func:`reset` removes the bench's own keys and rows, never others'.
 """
 
@@ -25,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from dedup._bench_strategies import KIND, PER_REQUEST, percentiles, run_one
-from dedup.claims import unlink_matching
+from dedup.claims import connect_redis, unlink_matching
 from dedup.loop import run as run_loop
 from dedup.servers import _descendants
 
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = [
     "NAMESPACES",
     "ServerPids",
+    "admin_client",
     "count_rows",
     "reset",
     "run_processes",
@@ -54,13 +57,39 @@ _WORKER_TIMEOUT_S = 3600.0
 # ------------------------------------------------------------------- server-side counts
 
 
-async def _server_calls(redis_url: str) -> dict[str, int]:
-    r = Redis.from_url(redis_url)
+def admin_client(redis_url: str) -> Redis | RedisCluster:
+    """A client of the bench's own reads and resets: one Redis or a Redis Cluster
+    (``redis+cluster://``), by the URL."""
+    return connect_redis(redis_url, max_connections=8, timeout_s=60.0)
+
+
+async def _server_calls(redis_url: str) -> dict[str, dict[str, int]]:
+    """Calls per command from INFO commandstats, per primary (``""`` for one Redis)."""
+    r = admin_client(redis_url)
     try:
-        stats: dict[str, Any] = await r.info("commandstats")
+        answers: dict[str, dict[str, Any]] = {}
+        if isinstance(r, RedisCluster):
+            await r.initialize()
+            for node in r.get_primaries():
+                answers[node.name] = await r.info("commandstats", target_nodes=node)
+        else:
+            answers[""] = await r.info("commandstats")
     finally:
         await r.aclose()
-    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+    return {
+        node: {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+        for node, stats in answers.items()
+    }
+
+
+def _top_level_calls_by_node(
+    strategy: str, before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
+) -> dict[str, int]:
+    """:func:`_top_level_calls` of each primary (``""`` for one Redis)."""
+    return {
+        node: max(_top_level_calls(strategy, before.get(node, {}), calls), 0)
+        for node, calls in after.items()
+    }
 
 
 def _top_level_calls(strategy: str, before: dict[str, int], after: dict[str, int]) -> int:
@@ -71,11 +100,13 @@ def _top_level_calls(strategy: str, before: dict[str, int], after: dict[str, int
     script calls only); the textbook and redis-py releases run one GET (and a DEL when
     the lock is theirs) per script call.
     """
-    # Connection handshakes (redis-py's CLIENT SETINFO, SELECT, AUTH) and our own
-    # INFO reads are per connection, not per request: left out.
+    # Connection handshakes (redis-py's CLIENT SETINFO, SELECT, AUTH; a cluster
+    # client's CLUSTER SLOTS and COMMAND) and our own INFO reads are per connection,
+    # not per request: left out.
     handshake = ("info", "client|setinfo", "select", "auth", "hello")
     delta = {k: v - before.get(k, 0) for k, v in after.items() if k not in handshake}
-    total = sum(v for k, v in delta.items() if not k.startswith("config"))
+    per_connection = ("config", "cluster", "command")
+    total = sum(v for k, v in delta.items() if not k.startswith(per_connection))
     if strategy == "dedup":
         nested = sum(delta.get(k, 0) for k in _gateway_script_commands())
     elif strategy in PER_REQUEST:
@@ -116,10 +147,20 @@ async def _server_xacts(pg_url: str) -> int:
 
 @dataclass(frozen=True)
 class ServerPids:
-    """The redis-server and postmaster PIDs of servers the bench started (else None)."""
+    """The redis-server and postmaster PIDs of servers the bench started (else None).
 
-    redis: int | None = None
+    ``redis`` is one PID, or a tuple of them: every node of a Redis Cluster, whose CPU
+    is summed."""
+
+    redis: int | tuple[int, ...] | None = None
     postgres: int | None = None
+
+    @property
+    def redis_pids(self) -> tuple[int, ...]:
+        """The redis-server PIDs (none when the bench did not start the Redis)."""
+        if self.redis is None:
+            return ()
+        return (self.redis,) if isinstance(self.redis, int) else tuple(self.redis)
 
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -137,12 +178,14 @@ def _proc_cpu_s(pid: int) -> float:
 
 
 def _servers_cpu_s(pids: ServerPids) -> tuple[float | None, float | None]:
-    """CPU seconds so far of redis-server and of PostgreSQL (postmaster and backends).
+    """CPU seconds so far of redis-server (every node of a cluster, summed) and of
+    PostgreSQL (postmaster and backends).
 
     A backend that exits moves its time into the postmaster's reaped-children figure,
     so a difference of two readings counts every backend that ran between them.
     """
-    redis_s = _proc_cpu_s(pids.redis) if pids.redis is not None else None
+    redis_pids = pids.redis_pids
+    redis_s = sum(_proc_cpu_s(p) for p in redis_pids) if redis_pids else None
     pg_s = None
     if pids.postgres is not None:
         pg_s = sum(_proc_cpu_s(p) for p in [pids.postgres, *_descendants(pids.postgres)])
@@ -270,20 +313,28 @@ def run_processes(
                     with contextlib.suppress(OSError):  # a dead worker's pipe
                         pipe.close()
     xacts = run_loop(_server_xacts(pg_url)) - xacts0 - 1  # -1: the first read's own
-    calls = _top_level_calls(run.strategy, calls0, run_loop(_server_calls(redis_url)))
+    by_node = _top_level_calls_by_node(run.strategy, calls0, run_loop(_server_calls(redis_url)))
     latencies = array("d")
     for job in jobs:
         latencies.frombytes(Path(job["latencies"]).read_bytes())
     total: dict[str, Any] = {
         k: sum(r[k] for r in results)
-        for k in ("redis_round_trips", "db_statements", "rows_sent", "created", "errors")
+        for k in (
+            "redis_round_trips",
+            "redis_batches",
+            "db_statements",
+            "rows_sent",
+            "created",
+            "errors",
+        )
     }
     return {
         **total,
         "concurrency": sum(callers),
         "seconds": max(r["seconds"] for r in results),
         **percentiles(latencies),
-        "redis_server_calls": max(calls, 0),
+        "redis_server_calls": sum(by_node.values()),
+        "redis_server_calls_by_node": by_node,
         "db_server_xacts": max(xacts, 0),
         "gateway_cpu_s": sum(r["gateway_cpu_s"] for r in results),
         "redis_cpu_s": _minus(redis1, redis0),
@@ -299,7 +350,7 @@ NAMESPACES = ("tb", "rl", "bench", "mem")
 
 async def reset(redis_url: str, pg_url: str) -> None:
     """Remove what earlier runs left: only the bench's own keys and rows, never others'."""
-    r = Redis.from_url(redis_url)
+    r = admin_client(redis_url)
     try:
         for ns in NAMESPACES:
             await unlink_matching(r, f"{ns}:*")

@@ -7,6 +7,10 @@
   ``INSERT ... ON CONFLICT DO NOTHING`` per event-loop tick;
 - ``dedup``: the :class:`~dedup.Gateway`.
 
+Each runs on one Redis or on a Redis Cluster (``redis+cluster://``): the textbook and
+redis-lock strategies send single-key commands and single-key scripts, which a cluster
+client routes by key, one command per round trip as on one Redis.
+
 :func:`run_one` drives one of them in this process, in a closed loop (``concurrency``
 callers) or an open loop (a fixed timetable), and keeps every request's latency.
 """
@@ -26,11 +30,13 @@ from typing import Any
 
 import asyncpg
 from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
 
 from dedup import Gateway
 from dedup.keys import digest
 from dedup.local import SavedCache
 from dedup.store import keep_session
+from dedup.urls import CLUSTER_SCHEMES
 
 __all__ = [
     "INSERT_MANY",
@@ -81,14 +87,33 @@ class _Counter:
 
     def __init__(self) -> None:
         self.redis = 0
+        self.batches = 0  # sequential round trips (the per-request strategies: all of them)
         self.statements = 0
         self.rows_sent = 0
 
 
 Saver = Callable[[str], Awaitable[bool]]
+AnyRedis = Redis | RedisCluster
 
 
-async def _textbook(r: Redis, pool: asyncpg.Pool, c: _Counter, ns: str) -> Saver:
+async def _per_request_client(redis_url: str, connections: int) -> AnyRedis:
+    """The textbook's and redis-lock's client: a pool of ``connections`` (per node on a
+    cluster), enough that no caller ever finds it empty.
+
+    A cluster client reads its slot map here, before the clock starts: left to its first
+    commands, the callers' concurrent first calls each rebuild the map, and redis-py
+    closes the connections of the nodes it replaces while other callers use them
+    (``'NoneType' object has no attribute 'writelines'``)."""
+    for scheme in CLUSTER_SCHEMES:
+        if redis_url.startswith(scheme):
+            plain = redis_url.replace("+cluster", "", 1)
+            cluster = RedisCluster.from_url(plain, max_connections=connections)
+            await cluster.initialize()
+            return cluster
+    return Redis.from_pool(ConnectionPool.from_url(redis_url, max_connections=connections))
+
+
+async def _textbook(r: AnyRedis, pool: asyncpg.Pool, c: _Counter, ns: str) -> Saver:
     release = r.register_script(RELEASE)
 
     async def save(value: str) -> bool:
@@ -119,7 +144,7 @@ async def _textbook(r: Redis, pool: asyncpg.Pool, c: _Counter, ns: str) -> Saver
     return save
 
 
-async def _redis_lock(r: Redis, pool: asyncpg.Pool, c: _Counter, ns: str) -> Saver:
+async def _redis_lock(r: AnyRedis, pool: asyncpg.Pool, c: _Counter, ns: str) -> Saver:
     async def save(value: str) -> bool:
         d = digest(value)
         saved = f"{ns}:s:".encode() + d
@@ -323,16 +348,16 @@ async def run_one(
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}")
     c = _Counter()
-    r: Redis | None = None
+    r: AnyRedis | None = None
     # Every strategy gets the sink's pool settings: no reset query on release.
     pool = await asyncpg.create_pool(pg_url, min_size=4, max_size=32, reset=keep_session)
     gw: Gateway | None = None
     try:
         if strategy == "textbook":
-            r = Redis.from_pool(ConnectionPool.from_url(redis_url, max_connections=concurrency + 8))
+            r = await _per_request_client(redis_url, concurrency + 8)
             save = await _textbook(r, pool, c, "tb")
         elif strategy == "redis-lock":
-            r = Redis.from_pool(ConnectionPool.from_url(redis_url, max_connections=concurrency + 8))
+            r = await _per_request_client(redis_url, concurrency + 8)
             save = await _redis_lock(r, pool, c, "rl")
         elif strategy == "db-only":
             save = _DbOnly(pool, c).save
@@ -353,10 +378,12 @@ async def run_one(
         else:
             seconds, created, errors = await _open_loop(save, values, rate, concurrency, latencies)
         cpu = _own_cpu_s() - cpu0
+        c.batches = c.redis  # one command at a time, each awaited before the next
         if gw is not None:
             stats = gw.stats()
-            c.redis, c.statements, c.rows_sent = (
+            c.redis, c.batches, c.statements, c.rows_sent = (
                 stats.redis_round_trips,
+                stats.redis_batches,
                 stats.db_statements,
                 stats.db_rows_sent,
             )
@@ -366,6 +393,7 @@ async def run_one(
             "seconds": seconds,
             **percentiles(latencies),
             "redis_round_trips": c.redis,
+            "redis_batches": c.batches,
             "db_statements": c.statements,
             "rows_sent": c.rows_sent,
             "created": created,

@@ -3,15 +3,18 @@ process to a fleet of them.
 
 Strategies (``textbook``, ``redis-lock``, ``db-only``, ``dedup``), each on the same
 stream, Redis and PostgreSQL, with the Redis keys and rows of earlier runs removed
-between runs (only the bench's own). This module is the plan (:class:`BenchConfig`,
-:func:`plan`), the driver (:func:`run_bench`, :func:`bench_command`) and the report (the
-table, the JSON and the chart); the rest is in:
+between runs (only the bench's own). The Redis is one server or a Redis Cluster
+(``redis+cluster://``); with ``cluster=True`` (``--cluster``) every run that uses Redis
+runs twice, on one Redis and then on a 3-primary cluster, same stream and shape, and the
+report compares the two. This module is the plan (:class:`BenchConfig`, :func:`plan`),
+the driver (:func:`run_bench`, :func:`bench_command`) and the report (the table, the
+JSON and the chart); the rest is in:
 
 - :mod:`dedup._bench_strategies`: the strategies and :func:`run_one`, one run in one
   process, closed or open loop, with every request's latency;
 - :mod:`dedup._bench_procs`: the OS processes of a run, their merged latencies and
-  summed CPU, the servers' own counts (``INFO commandstats``, ``pg_stat_database``,
-  ``/proc``), and the reset between runs;
+  summed CPU, the servers' own counts (``INFO commandstats`` of every primary,
+  ``pg_stat_database``, ``/proc``), and the reset between runs;
 - :mod:`dedup._bench_memory`: Redis bytes per saved value, of the gateway and of each
   marker layout.
 """
@@ -44,9 +47,12 @@ from dedup.demo import make_stream
 from dedup.errors import DedupError
 from dedup.keys import digest
 from dedup.loop import run as run_loop
+from dedup.urls import CLUSTER_SCHEMES, redact
 
 __all__ = [
+    "CLUSTER_PRIMARIES",
     "PER_REQUEST",
+    "REDIS_FREE",
     "STRATEGIES",
     "WORKLOADS",
     "BenchConfig",
@@ -54,7 +60,9 @@ __all__ = [
     "RunResult",
     "ServerPids",
     "bench_command",
+    "cluster_comparison",
     "config_from_flags",
+    "format_cluster_comparison",
     "format_layouts",
     "format_table",
     "plan",
@@ -63,6 +71,13 @@ __all__ = [
 ]
 
 WORKLOADS = ("zipf", "uniform")
+REDIS_FREE = ("db-only",)
+"""Strategies that never touch Redis: ``--cluster`` runs them once, not on the cluster."""
+CLUSTER_PRIMARIES = 3
+"""Primaries of the throwaway Redis Cluster of ``--cluster`` (no replicas)."""
+# Issue 15's targets for dedup on a cluster against one Redis, shown next to the figures.
+_TARGET_RPS_RATIO = 0.8
+_TARGET_ROUND_TRIPS_RATIO = 2.0
 # The names these had before the bench was split into modules (bench/profile_gateway.py
 # and the tests use them).
 _percentiles, _reset, _count_rows, _value_of = percentiles, reset, count_rows, value_of
@@ -89,6 +104,9 @@ class BenchConfig:
     # Values saved for the memory figures: through the gateway, and in each marker layout.
     memory_values: int = 1_000_000
     seed: int = 1
+    # Every run that uses Redis runs twice: on one Redis, then on a throwaway Redis
+    # Cluster of CLUSTER_PRIMARIES primaries (same stream and shape), compared in the report.
+    cluster: bool = False
 
     def validate(self) -> None:
         """Raise :class:`DedupError` naming the first flag that makes no sense."""
@@ -134,6 +152,7 @@ class Planned:
     processes: int
     concurrency: int
     rate: float | None = None  # requests/s offered in all; None is a closed loop
+    cluster: bool = False  # on the Redis Cluster of ``--cluster`` rather than the Redis
 
 
 def plan(cfg: BenchConfig) -> list[Planned]:
@@ -144,7 +163,9 @@ def plan(cfg: BenchConfig) -> list[Planned]:
     measured close together), then in one process at the other concurrencies, then
     open-loop at every rate and process count. Every other workload runs in one
     process at every concurrency. Per-request strategies run once per workload only,
-    in one process at the first concurrency.
+    in one process at the first concurrency. With ``cfg.cluster``, each run of a
+    strategy that uses Redis is followed at once by its twin on the cluster (measured
+    close together, like the strategies).
     """
     runs: list[Planned] = []
     first, more = cfg.concurrency[0], cfg.concurrency[1:]
@@ -163,7 +184,14 @@ def plan(cfg: BenchConfig) -> list[Planned]:
             for rate in dict.fromkeys(cfg.rates):
                 for n in dict.fromkeys(cfg.processes):
                     runs += [Planned(workload, s, n, cfg.outstanding, rate) for s in fleet]
-    return runs
+    if not cfg.cluster:
+        return runs
+    twinned: list[Planned] = []
+    for run in runs:
+        twinned.append(run)
+        if run.strategy not in REDIS_FREE:
+            twinned.append(replace(run, cluster=True))
+    return twinned
 
 
 @dataclass
@@ -181,8 +209,15 @@ class RunResult:
     p50_ms: float  # percentiles of every request of every process, merged
     p99_ms: float
     max_ms: float
-    redis_round_trips: int  # counted by the clients
+    # The Redis of the run: a cluster or not, and its primaries (0: the strategy uses none).
+    cluster: bool
+    redis_nodes: int
+    redis_round_trips: int  # counted by the clients; on a cluster, one per node pipeline
+    # Sequential round trips counted by the clients: the gateway's claim, commit and abort
+    # batches (one each however many nodes it spans); every command of the others.
+    redis_batches: int
     redis_server_calls: int  # counted by Redis (INFO commandstats), scripts' own calls out
+    redis_server_calls_by_node: dict[str, int]  # the same, per primary ("" for one Redis)
     db_statements: int  # counted by the clients
     db_server_xacts: int  # counted by PostgreSQL (pg_stat_database), gateways' open to close
     rows_sent: int
@@ -211,6 +246,12 @@ class RunResult:
             "rps": self.rps,
             "passed": self.passed,
             "redis_round_trips_per_request": self.redis_round_trips / n,
+            "redis_batches_per_request": self.redis_batches / n,
+            # The nodes a batch reaches: 1 on one Redis, up to the primaries on a cluster.
+            "redis_round_trips_per_batch": self.redis_round_trips / max(self.redis_batches, 1),
+            "redis_round_trips_per_node_per_request": (
+                self.redis_round_trips / max(self.redis_nodes, 1) / n
+            ),
             "redis_server_calls_per_request": self.redis_server_calls / n,
             "db_statements_per_unique": self.db_statements / u,
             "db_xacts_per_unique": self.db_server_xacts / u,
@@ -281,6 +322,10 @@ async def _insert_ceiling(pg_url: str, values: Sequence[str]) -> dict[str, float
 # ------------------------------------------------------------------------------- driver
 
 
+def _is_cluster(redis_url: str) -> bool:
+    return redis_url.startswith(CLUSTER_SCHEMES)
+
+
 def run_bench(
     cfg: BenchConfig,
     *,
@@ -290,13 +335,30 @@ def run_bench(
     out_dir: Path,
     log: Callable[[str], None],
     pids: ServerPids | None = None,
+    cluster_url: str | None = None,
+    cluster_pids: ServerPids | None = None,
 ) -> dict[str, Any]:
     """Run the :func:`plan` of ``cfg``, then the ceilings and memory (the gateway's, and
-    each marker layout's at ``memory_values``); write JSON and chart."""
+    each marker layout's at ``memory_values``); write JSON and chart.
+
+    ``redis_url`` is one Redis or a cluster (``redis+cluster://``); with ``cfg.cluster``
+    the plan's cluster runs go to ``cluster_url`` (required then), whose servers'
+    PIDs are ``cluster_pids``. The redis-benchmark ceiling is measured on one Redis only
+    (its ``EVAL`` keys are not routed by slot), and said so in the report's notes."""
     cfg.validate()
+    if cfg.cluster and cluster_url is None:
+        raise DedupError("cluster runs need the cluster's URL (cluster_url)")
     pids = pids or ServerPids()
+    cluster_pids = cluster_pids or ServerPids()
     results: list[RunResult] = []
-    report: dict[str, Any] = {"config": asdict(cfg), "runs": [], "ceilings": {}, "memory": {}}
+    report: dict[str, Any] = {
+        "config": asdict(cfg),
+        "runs": [],
+        "ceilings": {},
+        "memory": {},
+        "notes": [],
+    }
+    notes: list[str] = report["notes"]
     streams: dict[str, tuple[array[int], int]] = {}
     with tempfile.TemporaryDirectory(prefix="dedup-bench-") as tmp:
         for run in plan(cfg):
@@ -307,14 +369,21 @@ def run_bench(
                     run_loop(_insert_ceiling(pg_url, [value_of(x) for x in set(ranks)]))
                 )
             ranks, unique = streams[run.workload]
-            run_loop(reset(redis_url, pg_url))
+            url, run_pids = redis_url, pids
+            if run.cluster:
+                assert cluster_url is not None
+                url, run_pids = cluster_url, cluster_pids
+            run_loop(reset(url, pg_url))
             how = "closed loop" if run.rate is None else f"open loop, {run.rate:,.0f} req/s"
+            where = " on the cluster" if run.cluster else ""
             log(
                 f"{run.workload:<8} {run.strategy:<11} {run.processes:>2} process(es), "
-                f"{run.concurrency} {'callers' if run.rate is None else 'in flight'}, {how} ..."
+                f"{run.concurrency} {'callers' if run.rate is None else 'in flight'}, {how}"
+                f"{where} ..."
             )
-            raw = run_processes(run, ranks, redis_url, pg_url, pids, Path(tmp))
+            raw = run_processes(run, ranks, url, pg_url, run_pids, Path(tmp))
             rows = run_loop(count_rows(pg_url))
+            uses_redis = run.strategy not in REDIS_FREE
             results.append(
                 RunResult(
                     run.strategy,
@@ -324,24 +393,113 @@ def run_bench(
                     requests=len(ranks),
                     unique=unique,
                     rows=rows,
+                    cluster=uses_redis and _is_cluster(url),
+                    redis_nodes=len(raw["redis_server_calls_by_node"]) if uses_redis else 0,
                     **raw,
                 )
             )
-    report["ceilings"].update(_redis_ceiling(redis_url, redis_port))
+    if _is_cluster(redis_url):
+        notes.append(
+            "redis-benchmark ceiling: skipped, the Redis is a cluster (its EVAL keys are not "
+            "routed by slot); a node's ceiling is one redis-server's: run the bench on one"
+        )
+    else:
+        report["ceilings"].update(_redis_ceiling(redis_url, redis_port))
+        if cfg.cluster:
+            notes.append(
+                "redis-benchmark ceiling: on the one Redis only (each cluster node is the "
+                "same redis-server; redis-benchmark's EVAL keys are not routed by slot)"
+            )
     report["memory"] = run_loop(gateway_memory(redis_url, pg_url, cfg.memory_values))
     run_loop(reset(redis_url, pg_url))
+    if _is_cluster(redis_url):
+        notes.append(
+            "redis_bytes_per_saved_value: on the cluster, used_memory summed over its primaries"
+        )
+    if cluster_url is not None and cfg.cluster:
+        log(f"memory   gateway     {cfg.memory_values:,} values on the cluster ...")
+        on_cluster = run_loop(gateway_memory(cluster_url, pg_url, cfg.memory_values, local=False))
+        report["memory"]["cluster_redis_bytes_per_saved_value"] = on_cluster[
+            "redis_bytes_per_saved_value"
+        ]
+        run_loop(reset(cluster_url, pg_url))
+        notes.append(
+            "cluster_redis_bytes_per_saved_value: the same through the gateway on the "
+            "cluster, used_memory summed over its primaries"
+        )
     report["ceilings"]["cpu_count"] = os.cpu_count()
     report["ceilings"]["max_rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Last, each on a redis-server of its own: the runs' Redis is left alone, and the
     # maximum RSS above is the bench's before the layouts' key lists exist.
     report["memory"]["layouts"] = run_loop(measure_layouts(cfg.memory_values, log))
     report["runs"] = [{**asdict(r), **r.derived()} for r in results]
+    comparison = cluster_comparison(report["runs"])
+    if comparison:
+        report["cluster"] = {
+            "url": redact(cluster_url or redis_url),
+            "primaries": max(r["redis_nodes"] for r in report["runs"] if r["cluster"]),
+            "comparison": comparison,
+        }
     out_dir.mkdir(parents=True, exist_ok=True)
     chart = _chart(report["runs"], out_dir / "bench.png")
     if chart:
         report["chart"] = str(chart)
     (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def cluster_comparison(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each cluster run next to its one-Redis twin (same workload, strategy and shape):
+    requests/s, round trips and batches per request, and their ratios cluster / one."""
+    singles = {_shape(r): r for r in runs if not r["cluster"] and r["redis_nodes"]}
+    rows = []
+    for c in runs:
+        one = singles.get(_shape(c)) if c["cluster"] else None
+        if one is None:
+            continue
+
+        def ratio(key: str, one: dict[str, Any] = one, c: dict[str, Any] = c) -> float | None:
+            return float(c[key]) / float(one[key]) if one[key] else None
+
+        row: dict[str, Any] = {
+            "workload": c["workload"],
+            "strategy": c["strategy"],
+            "processes": c["processes"],
+            "concurrency": c["concurrency"],
+            "rate": c["rate"],
+            "primaries": c["redis_nodes"],
+            "rps": [one["rps"], c["rps"]],
+            "rps_ratio": ratio("rps"),
+            "round_trips_per_request": [
+                one["redis_round_trips_per_request"],
+                c["redis_round_trips_per_request"],
+            ],
+            "round_trips_ratio": ratio("redis_round_trips_per_request"),
+            "batches_per_request": [
+                one["redis_batches_per_request"],
+                c["redis_batches_per_request"],
+            ],
+            "batches_ratio": ratio("redis_batches_per_request"),
+            "round_trips_per_batch": [
+                one["redis_round_trips_per_batch"],
+                c["redis_round_trips_per_batch"],
+            ],
+            "round_trips_per_node_per_request": c["redis_round_trips_per_node_per_request"],
+            "server_calls_by_node": c["redis_server_calls_by_node"],
+            "passed": bool(one["passed"] and c["passed"]),
+        }
+        if c["strategy"] == "dedup":
+            rps_ratio, trips_ratio = row["rps_ratio"], row["round_trips_ratio"]
+            row["target_rps_met"] = rps_ratio is not None and rps_ratio >= _TARGET_RPS_RATIO
+            row["target_round_trips_met"] = (
+                trips_ratio is not None and trips_ratio <= _TARGET_ROUND_TRIPS_RATIO
+            )
+        rows.append(row)
+    return rows
+
+
+def _shape(r: dict[str, Any]) -> tuple[Any, ...]:
+    return r["workload"], r["strategy"], r["processes"], r["concurrency"], r["rate"]
 
 
 def _fleet(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -368,11 +526,11 @@ def _chart(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
         return None
     fleet = _fleet(runs)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    colors = {"db-only": "#cc6677", "dedup": "#4477aa"}
-    for strategy in dict.fromkeys(r["strategy"] for r in fleet):
-        mine = sorted((r for r in fleet if r["strategy"] == strategy), key=lambda r: r["processes"])
+    colors = {"db-only": "#cc6677", "dedup": "#4477aa", "dedup (cluster)": "#228833"}
+    for series in dict.fromkeys(_series(r) for r in fleet):
+        mine = sorted((r for r in fleet if _series(r) == series), key=lambda r: r["processes"])
         x = [r["processes"] for r in mine]
-        color = colors.get(strategy)
+        color, strategy = colors.get(series), series
         axes[0].plot(x, [r["db_statements_per_unique"] for r in mine], "o-", color=color,
                      label=f"{strategy}: statements (client)")  # fmt: skip
         axes[0].plot(x, [r["db_xacts_per_unique"] for r in mine], "s--", color=color,
@@ -382,7 +540,7 @@ def _chart(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
         axes[2].plot(x, [r["rps"] for r in mine], "o-", color=color, label=f"{strategy} (closed)")
         for rate in dict.fromkeys(r["rate"] for r in runs if r["rate"] is not None):
             opened = sorted(
-                (r for r in runs if r["strategy"] == strategy and r["rate"] == rate),
+                (r for r in runs if _series(r) == series and r["rate"] == rate),
                 key=lambda r: r["processes"],
             )
             axes[2].plot([r["processes"] for r in opened], [r["rps"] for r in opened], "^:",
@@ -407,14 +565,20 @@ def _chart(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
+def _series(r: dict[str, Any]) -> str:
+    """The chart's name of a run's line: its strategy, marked when on a cluster."""
+    return f"{r['strategy']} (cluster)" if r["cluster"] else str(r["strategy"])
+
+
 def _fmt(value: float | None, spec: str, width: int) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
 
 
 COLUMNS = (
     # (heading, width): see the README's "Performance" for what each one means.
-    ("workload", 8), ("strategy", 10), ("procs", 5), ("callers", 7), ("offered", 9),
-    ("req/s", 9), ("p50 ms", 7), ("p99 ms", 8), ("RT/req", 7), ("srvRT/req", 9),
+    ("workload", 8), ("strategy", 10), ("redis", 8), ("procs", 5), ("callers", 7),
+    ("offered", 9), ("req/s", 9), ("p50 ms", 7), ("p99 ms", 8), ("RT/req", 7),
+    ("batch/req", 9), ("RT/batch", 8), ("srvRT/req", 9),
     ("stmt/uniq", 9), ("xact/uniq", 9), ("rows/uniq", 9), ("xact/s", 7),
     ("cpu us/req", 10), ("cpu us/uniq", 11), ("redis cpu", 9), ("pg cpu", 7),
     ("x(a)", 5), ("x(c)", 5),
@@ -424,7 +588,7 @@ COLUMNS = (
 def format_table(report: dict[str, Any]) -> str:
     """The result table: one line per run, then ceilings and memory."""
     runs = report["runs"]
-    head = " ".join(f"{h:<{w}}" if i < 2 else f"{h:>{w}}" for i, (h, w) in enumerate(COLUMNS))
+    head = " ".join(f"{h:<{w}}" if i < 3 else f"{h:>{w}}" for i, (h, w) in enumerate(COLUMNS))
     lines = [head + "  rows==unique", "-" * (len(head) + 14)]
 
     def rps_of(strategy: str, r: dict[str, Any], *, same_shape: bool) -> float | None:
@@ -432,6 +596,8 @@ def format_table(report: dict[str, Any]) -> str:
             if (
                 x["workload"] == r["workload"]
                 and x["strategy"] == strategy
+                # db-only uses no Redis: one run serves the rows of both Redis kinds.
+                and (strategy in REDIS_FREE or x["cluster"] == r["cluster"])
                 and (
                     not same_shape
                     or (x["processes"], x["concurrency"], x["rate"])
@@ -444,9 +610,13 @@ def format_table(report: dict[str, Any]) -> str:
     for r in runs:
         textbook = rps_of("textbook", r, same_shape=False)
         db_only = rps_of("db-only", r, same_shape=True)
+        redis = "-" if not r["redis_nodes"] else "one"
+        if r["cluster"]:
+            redis = f"cluster{r['redis_nodes']}"
         cells = [
             f"{r['workload']:<8}",
             f"{r['strategy']:<10}",
+            f"{redis:<8}",
             f"{r['processes']:>5}",
             f"{r['concurrency']:>7}",
             f"{'closed':>9}" if r["rate"] is None else f"{r['rate']:>9,.0f}",
@@ -454,6 +624,8 @@ def format_table(report: dict[str, Any]) -> str:
             f"{r['p50_ms']:>7.3f}",
             f"{r['p99_ms']:>8.2f}",
             f"{r['redis_round_trips_per_request']:>7.4f}",
+            f"{r['redis_batches_per_request']:>9.4f}",
+            _fmt(r["redis_round_trips_per_batch"] if r["redis_batches"] else None, ".2f", 8),
             f"{r['redis_server_calls_per_request']:>9.4f}",
             f"{r['db_statements_per_unique']:>9.4f}",
             f"{r['db_xacts_per_unique']:>9.4f}",
@@ -467,14 +639,62 @@ def format_table(report: dict[str, Any]) -> str:
             _fmt(None if db_only is None else r["rps"] / db_only, ".2f", 5),
         ]
         lines.append(" ".join(cells) + f"  {'PASS' if r['passed'] else 'FAIL'}")
+    comparison = report.get("cluster", {}).get("comparison")
+    if comparison:
+        lines += ["", *format_cluster_comparison(comparison)]
     lines.append("")
     scalars = {k: v for k, v in report["memory"].items() if k != "layouts"}
     for k, v in {**report["ceilings"], **scalars}.items():
         lines.append(f"{k:<40} {v:>14,.1f}" if isinstance(v, float) else f"{k:<40} {v:>14}")
+    lines += [f"note: {note}" for note in report.get("notes", ())]
     layouts = report["memory"].get("layouts")
     if layouts:
         lines += ["", *format_layouts(layouts)]
     return "\n".join(lines)
+
+
+def format_cluster_comparison(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The lines of :func:`cluster_comparison`: one Redis against the cluster, per run."""
+    primaries = max(r["primaries"] for r in rows)
+    lines = [
+        f"Redis Cluster ({primaries} primaries) against one Redis, same stream and shape "
+        f"(one -> cluster; dedup's targets: >= {_TARGET_RPS_RATIO:g}x req/s, <= "
+        f"{_TARGET_ROUND_TRIPS_RATIO:g}x round trips per request):",
+        f"{'workload':<8} {'strategy':<10} {'procs':>5} {'callers':>7} {'offered':>9} "
+        f"{'req/s one':>10} {'cluster':>9} {'ratio':>5}  {'RT/req one -> cluster':<25} "
+        f"{'batch/req one -> cluster':<25} {'RT/node/req':>11}  targets",
+    ]
+
+    def pair(values: list[float], ratio: float | None) -> str:
+        text = f"{values[0]:.4f} -> {values[1]:.4f}"
+        return f"{text} ({ratio:.2f}x)" if ratio is not None else text
+
+    for r in rows:
+        targets = "-"
+        if "target_rps_met" in r:
+            targets = (
+                f"req/s {'met' if r['target_rps_met'] else 'MISSED'}, "
+                f"RT {'met' if r['target_round_trips_met'] else 'MISSED'}"
+            )
+        rps_ratio = _fmt(r["rps_ratio"], ".2f", 5)
+        lines.append(
+            f"{r['workload']:<8} {r['strategy']:<10} {r['processes']:>5} {r['concurrency']:>7} "
+            + (f"{'closed':>9}" if r["rate"] is None else f"{r['rate']:>9,.0f}")
+            + f" {r['rps'][0]:>10,.0f} {r['rps'][1]:>9,.0f} {rps_ratio}  "
+            f"{pair(r['round_trips_per_request'], r['round_trips_ratio']):<25} "
+            f"{pair(r['batches_per_request'], r['batches_ratio']):<25} "
+            f"{r['round_trips_per_node_per_request']:>11.4f}  {targets}"
+        )
+    by_node = [r for r in rows if r["strategy"] == "dedup"] or list(rows)
+    for r in by_node:
+        calls = r["server_calls_by_node"]
+        total = sum(calls.values()) or 1
+        shares = ", ".join(f"{node} {100 * n / total:.0f} %" for node, n in sorted(calls.items()))
+        lines.append(
+            f"  {r['workload']} {r['strategy']} {r['processes']} proc(s): script calls per "
+            f"node (INFO commandstats) {shares}"
+        )
+    return lines
 
 
 _LAYOUT_NOTES = {
@@ -546,6 +766,7 @@ def config_from_flags(
     rate: str | None = None,
     outstanding: int | None = None,
     memory_values: str | None = None,
+    cluster: bool = False,
 ) -> BenchConfig:
     """The run of ``dedup bench``'s flags: ``--quick`` (or the default) with the flags
     given on top; lists are comma-separated. Raises :class:`DedupError` on nonsense."""
@@ -570,6 +791,8 @@ def config_from_flags(
             given["memory_values"] = int(_number(memory_values))
         except ValueError:
             raise DedupError(f"--memory-values: not a number: {memory_values!r}") from None
+    if cluster:
+        given["cluster"] = True
     cfg = replace(cfg, **given)
     cfg.validate()
     return cfg
@@ -584,15 +807,26 @@ def bench_command(
     requests: int | None = None,
     cfg: BenchConfig | None = None,
 ) -> int:
-    """``dedup bench``: start throwaway servers unless URLs are given, run, print, exit 0/1."""
+    """``dedup bench``: start throwaway servers unless URLs are given, run, print, exit 0/1.
+
+    With ``cfg.cluster`` it also starts a throwaway Redis Cluster (:data:`CLUSTER_PRIMARIES`
+    primaries, no replicas; stopped by PID at the end) for the plan's cluster runs;
+    ``redis_url`` must then be one Redis or None."""
     from contextlib import ExitStack
 
+    from dedup.cluster_servers import RedisClusterServers
     from dedup.migrate import upgrade
     from dedup.servers import PostgresCluster, RedisServer
 
     if cfg is None:
         cfg = config_from_flags(quick=quick, requests=requests)
     cfg.validate()
+    if cfg.cluster and redis_url is not None and _is_cluster(redis_url):
+        raise DedupError(
+            "--cluster compares one Redis with a throwaway cluster it starts itself: give "
+            "--redis-url one Redis (redis://...) or none; to bench your own cluster alone, "
+            "give its redis+cluster:// URL without --cluster"
+        )
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -600,11 +834,17 @@ def bench_command(
     with ExitStack() as stack:
         port: int | None = None
         redis_pid = pg_pid = None
+        cluster_url: str | None = None
+        cluster_pids: tuple[int, ...] = ()
         if redis_url is None:
             server = stack.enter_context(RedisServer())
             redis_url, port, redis_pid = server.url, server.port, server.pid
         elif redis_url.startswith("redis://127.0.0.1:"):
             port = int(redis_url.split(":")[2].split("/")[0])
+        if cfg.cluster:
+            log(f"bench: starting a Redis Cluster ({CLUSTER_PRIMARIES} primaries, no replicas)")
+            servers = stack.enter_context(RedisClusterServers(CLUSTER_PRIMARIES, 0))
+            cluster_url, cluster_pids = servers.url, tuple(node.pid for node in servers.nodes)
         if database_url is None:
             cluster = stack.enter_context(PostgresCluster())
             database_url, pg_pid = cluster.create_database("bench"), cluster.pid
@@ -619,6 +859,8 @@ def bench_command(
             out_dir=out_dir,
             log=log,
             pids=ServerPids(redis_pid, pg_pid),
+            cluster_url=cluster_url,
+            cluster_pids=ServerPids(cluster_pids or None, pg_pid),
         )
     print(format_table(report))
     print(

@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
         "about a minute (20,000 requests, concurrency 128,512, processes 1,2, rate 20000); "
         "flags given still win.",
     )
-    bench.add_argument("--redis-url", help="a Redis to use (default: start a throwaway one)")
+    bench.add_argument(
+        "--redis-url",
+        help="a Redis to use, or a redis+cluster:// URL (default: start a throwaway one)",
+    )
     bench.add_argument(
         "--database-url", help="a PostgreSQL database (default: start a throwaway cluster)"
     )
@@ -90,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-values",
         help="values saved for the memory figures, through the gateway and in each marker "
         "layout (default 1,000,000; --quick 50,000; e.g. 10m)",
+    )
+    bench.add_argument(
+        "--cluster",
+        action="store_true",
+        help="also start a throwaway 3-primary Redis Cluster and run every Redis run on it "
+        "too, right after the same run on one Redis, and compare them (req/s, round trips "
+        "and batches per request, per node)",
     )
     bench.add_argument("--out", default="bench-results", help="folder of bench.json and the chart")
 
@@ -235,6 +245,7 @@ def _bench(args: argparse.Namespace) -> int:
         rate=args.rate,
         outstanding=args.outstanding,
         memory_values=args.memory_values,
+        cluster=args.cluster,
     )
     redis_url = args.redis_url or os.environ.get("DEDUP_BENCH_REDIS_URL")
     database_url = args.database_url or os.environ.get("DEDUP_BENCH_DATABASE_URL")
