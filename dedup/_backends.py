@@ -22,7 +22,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
 from dedup.bloom import BloomSpec
-from dedup.claims import Claims, connect_redis, unsafe_policies
+from dedup.claims import MIN_REDIS_VERSION, Claims, connect_redis, too_old, unsafe_policies
 from dedup.embedded import DataDirLock, EmbeddedRedis
 from dedup.errors import ConfigError, DedupError, Unavailable
 from dedup.keys import KeySpace
@@ -134,7 +134,8 @@ class Backends:
         self.sink = sink
 
     async def check_redis(self) -> None:
-        """Reach Redis and refuse one that may evict keys (leases and markers would vanish).
+        """Reach Redis and refuse one that may evict keys (leases and markers would vanish)
+        or that is older than :data:`dedup.claims.MIN_REDIS_VERSION`.
 
         Raises :class:`Unavailable` when Redis cannot be reached and
         :class:`ConfigError` when it is unsafe; sets ``eviction_checked`` when it passed.
@@ -143,6 +144,7 @@ class Backends:
         assert client is not None
         try:
             info: Any = await client.info("memory")
+            server: Any = await client.info("server")
         except NoPermissionError as exc:
             # An ACL user without +info: the policy cannot be read. Say so, not "cannot connect".
             if allow:
@@ -158,7 +160,14 @@ class Backends:
             raise Unavailable(
                 f"cannot connect to Redis at {redact(url)}: {exc}", component="redis"
             ) from exc
-        self._stats.redis_round_trips += 1
+        self._stats.redis_round_trips += 2
+        old = too_old(server)
+        if old:
+            raise ConfigError(
+                f"Redis at {redact(url)} is version {', '.join(old)}; dedup needs Redis "
+                f"{'.'.join(map(str, MIN_REDIS_VERSION))} or newer (its claim scripts use SET "
+                "with NX and GET together)"
+            )
         bad = unsafe_policies(info)
         if bad and not allow:
             raise ConfigError(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from dedup.claims import connect_redis, per_node, unsafe_policies
+from dedup.claims import MIN_REDIS_VERSION, connect_redis, per_node, too_old, unsafe_policies
 from dedup.embedded import find_redis_server
 from dedup.errors import ConfigError, DedupError
 from dedup.settings import Config
@@ -44,6 +44,10 @@ async def _check_redis(url: str, allow_eviction: bool, timeout_s: float) -> list
     unsafe = sorted(unsafe_policies(memory))
     limits = {int(i.get("maxmemory", 0)) for i in per_node(memory)}
     found = [Finding("ok", "redis", f"{shown}: reachable, Redis {', '.join(version)}")]
+    old = too_old(server)
+    if old:
+        needed = ".".join(map(str, MIN_REDIS_VERSION))
+        found.append(Finding("fail", "redis", f"Redis {', '.join(old)}: dedup needs {needed}+"))
     if not unsafe:
         found.append(Finding("ok", "redis", "maxmemory-policy noeviction"))
     else:

@@ -137,6 +137,25 @@ def per_node(info: Any) -> list[dict[str, Any]]:
     return [info]
 
 
+MIN_REDIS_VERSION = (7, 0)
+"""The claim scripts use ``SET ... NX GET`` (Redis 7.0) and ``GETDEL`` (6.2)."""
+
+
+def too_old(server_info: Any) -> list[str]:
+    """The ``redis_version`` values below :data:`MIN_REDIS_VERSION` in an ``INFO server``
+    answer (of one server or of every cluster node); an unreadable version is let by."""
+    old = set()
+    for node in per_node(server_info):
+        version = str(node.get("redis_version", ""))
+        try:
+            parts = tuple(int(x) for x in version.split(".")[:2])
+        except ValueError:
+            continue
+        if len(parts) == 2 and parts < MIN_REDIS_VERSION:
+            old.add(version)
+    return sorted(old)
+
+
 def unsafe_policies(memory_info: Any) -> set[str]:
     """The ``maxmemory-policy`` values other than ``noeviction`` in an ``INFO memory``
     answer (of one server or of every cluster node). dedup needs noeviction: leases and

@@ -42,7 +42,24 @@ __all__ = [
 ]
 
 
-CLAIM = """
+# The lease part of every claim, once "saved?" found no marker: ONE command for a new
+# value (SET NX with GET answers what was there, and sets only when nothing was).
+_LEASE = """
+    local key = KEYS[i]
+    local v = redis.call('SET', key, token, 'NX', 'PX', lease, 'GET')
+    if not v then
+      out[i] = 'W'
+    elseif v == '1' then
+      out[i] = 'S'
+    elseif v == token then
+      redis.call('PEXPIRE', key, lease)
+      out[i] = 'W'
+    else
+      out[i] = 'B'
+    end"""
+
+CLAIM = (
+    """
 -- KEYS: the keys of one batch, each at most once
 -- ARGV[1]: the claimant's token; ARGV[2]: the lease in milliseconds
 -- Returns: one letter per key, in order: S = already saved,
@@ -50,22 +67,13 @@ CLAIM = """
 --   B = busy (another claimant's lease)
 local token, lease = ARGV[1], ARGV[2]
 local out = {}
-for i, key in ipairs(KEYS) do
-  local v = redis.call('GET', key)
-  if not v then
-    redis.call('SET', key, token, 'PX', lease)
-    out[i] = 'W'
-  elseif v == '1' then
-    out[i] = 'S'
-  elseif v == token then
-    redis.call('PEXPIRE', key, lease)
-    out[i] = 'W'
-  else
-    out[i] = 'B'
-  end
+for i = 1, #KEYS do"""
+    + _LEASE
+    + """
 end
 return table.concat(out)
 """
+)
 
 COMMIT = """
 -- KEYS: keys whose rows are committed in the database
@@ -77,31 +85,16 @@ COMMIT = """
 local token, keep = ARGV[1], tonumber(ARGV[2])
 local held = 0
 for _, key in ipairs(KEYS) do
-  if redis.call('GET', key) == token then held = held + 1 end
+  local old
   if keep > 0 then
-    redis.call('SET', key, '1', 'PX', keep)
+    old = redis.call('SET', key, '1', 'PX', keep, 'GET')
   else
-    redis.call('SET', key, '1')
+    old = redis.call('SET', key, '1', 'GET')
   end
+  if old == token then held = held + 1 end
 end
 return held
 """
-
-# The lease part of the compact and approximate claims, once "saved?" answered no.
-_LEASE = """
-    local key = KEYS[i]
-    local v = redis.call('GET', key)
-    if not v then
-      redis.call('SET', key, token, 'PX', lease)
-      out[i] = 'W'
-    elseif v == '1' then
-      out[i] = 'S'
-    elseif v == token then
-      redis.call('PEXPIRE', key, lease)
-      out[i] = 'W'
-    else
-      out[i] = 'B'
-    end"""
 
 # Where the compact layout keeps a value's marker, from its lease key and its locator
 # (see dedup.keys.MarkerLayout.locator): the bucket is named after the key's head, the
@@ -171,9 +164,8 @@ local held = 0
 for i, key in ipairs(KEYS) do
   local loc = ARGV[4 + i]
   local b = bucket(key, loc, gen)
-  if redis.call('GET', key) == token then held = held + 1 end
   redis.call('HSET', b, string.sub(loc, 4), '1')
-  redis.call('DEL', key)
+  if redis.call('GETDEL', key) == token then held = held + 1 end
   if at > 0 and redis.call('PTTL', b) < 0 then
     redis.call('PEXPIREAT', b, at)
   end
@@ -233,7 +225,6 @@ local n = #KEYS / 2
 local held = 0
 for i = 1, n do
   local key, part = KEYS[i], KEYS[n + i]
-  if redis.call('GET', key) == token then held = held + 1 end
   if redis.call('EXISTS', part) == 0 then
     redis.call('SET', part, string.rep('\0', size))
   end
@@ -241,7 +232,7 @@ for i = 1, n do
   for b = 1, k do
     redis.call('SETBIT', part, ARGV[bits + b], 1)
   end
-  redis.call('DEL', key)
+  if redis.call('GETDEL', key) == token then held = held + 1 end
   if at > 0 and redis.call('PTTL', part) < 0 then
     redis.call('PEXPIREAT', part, at)
   end

@@ -78,6 +78,7 @@ MINIMAL_ACL = tuple(
         "+hset",
         "+hexists",
         "+hincrby",
+        "+getdel",
         "+getbit",
         "+setbit",
         "+zadd",

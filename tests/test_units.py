@@ -11,6 +11,7 @@ from redis.asyncio.connection import Connection
 
 from dedup import InvalidInput
 from dedup._packing import fast_packing
+from dedup.claims import too_old
 from dedup.keys import (
     KeySpace,
     Limits,
@@ -169,3 +170,12 @@ def test_marker_locators_hold_the_bucket_index_and_the_field() -> None:
             loc = layout.locator(key)
             assert loc[3:] == field and len(loc) == 3 + layout.field_bytes
             assert bucket.endswith(b":%d" % (int.from_bytes(loc[:3]) % layout.buckets_per_tag))
+
+
+def test_redis_older_than_7_is_named() -> None:
+    assert too_old({"redis_version": "7.0.15"}) == []
+    assert too_old({"redis_version": "7.4.1"}) == [] and too_old({"redis_version": "8.0"}) == []
+    assert too_old({"redis_version": "6.2.14"}) == ["6.2.14"]
+    cluster = {"a:1": {"redis_version": "7.0.15"}, "b:2": {"redis_version": "6.0.9"}}
+    assert too_old(cluster) == ["6.0.9"]
+    assert too_old({}) == [] and too_old({"redis_version": "unstable"}) == []
