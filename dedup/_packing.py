@@ -14,9 +14,11 @@ own ``pack_command``, so every command is sent exactly as redis-py would send it
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from redis.asyncio.connection import AbstractConnection
+
+_C = TypeVar("_C", bound=AbstractConnection)
 
 __all__ = ["fast_packing", "pack"]
 
@@ -59,10 +61,10 @@ class _FastPack:
 _classes: dict[type[AbstractConnection], type[AbstractConnection]] = {}
 
 
-def fast_packing(cls: type[AbstractConnection]) -> type[AbstractConnection]:
+def fast_packing(cls: type[_C]) -> type[_C]:
     """A subclass of the connection class ``cls`` that packs with :func:`pack`."""
     fast = _classes.get(cls)
     if fast is None:
         fast = type(f"FastPack{cls.__name__}", (_FastPack, cls), {})
         _classes[cls] = fast
-    return fast
+    return cast(type[_C], fast)
