@@ -173,7 +173,10 @@ def unsafe_policies(memory_info: Any) -> set[str]:
 async def unlink_matching(client: Redis | RedisCluster, pattern: bytes | str) -> int:
     """UNLINK every key matching ``pattern`` (SCAN, 1,000 at a time; every primary of a
     cluster); returns how many. For demos, tests and the bench, never the hot path."""
-    nodes: list[Any] = list(client.get_primaries()) if isinstance(client, RedisCluster) else [None]
+    nodes: list[Any] = [None]
+    if isinstance(client, RedisCluster):
+        await client.initialize()  # a new client knows no nodes until its first command
+        nodes = list(client.get_primaries())
     removed = 0
     for node in nodes:
         kwargs: dict[str, Any] = {} if node is None else {"target_nodes": node}

@@ -15,7 +15,7 @@ from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from dedup import Gateway
-from dedup.claims import Claims
+from dedup.claims import Claims, unlink_matching
 from dedup.keys import KeySpace, digest
 from dedup.metrics import Stats
 from tests.servers import RedisClusterServers, RedisServer
@@ -182,3 +182,23 @@ async def test_cluster_defaults_to_64_hash_tags(cluster: list[RedisServer], tmp_
         # 1,000 keys in 64 hash tags: a claim or a commit is one pipeline per node.
         stats = gw.stats()
         assert stats.redis_round_trips <= 1 + 3 * 3 * 2 * stats.claim_batches
+
+
+async def test_unlink_matching_reaches_every_primary_from_a_new_client(
+    cluster_servers: RedisClusterServers,
+) -> None:
+    # The bench's reset and the demo use a fresh client: it must not see zero nodes.
+    writer = RedisCluster.from_url(cluster_servers.url.replace("+cluster", ""))
+    try:
+        for i in range(300):
+            await writer.set(f"wipe:{{{i % 30}}}k{i}", "1")
+        await writer.set("keep:{1}k", "1")
+    finally:
+        await writer.aclose()
+    fresh = RedisCluster.from_url(cluster_servers.url.replace("+cluster", ""))
+    try:
+        assert await unlink_matching(fresh, "wipe:*") == 300
+        sizes = [await fresh.dbsize(target_nodes=node) for node in fresh.get_primaries()]
+        assert sum(sizes) == 1  # only the key outside the pattern
+    finally:
+        await fresh.aclose()
