@@ -52,16 +52,19 @@ from dedup.scripts import (
     COMMIT_BLOOM,
     COMMIT_COMPACT,
     Script,
+    cross_slot,
 )
 from dedup.urls import CLUSTER_SCHEMES, REDIS_SCHEMES, scrub
 
 __all__ = [
     "CLUSTER_SCHEMES",
+    "MIN_REDIS_VERSION",
     "REDIS_SCHEMES",
     "Claims",
     "connect_redis",
     "per_node",
     "probe_write",
+    "too_old",
     "unlink_matching",
     "unsafe_policies",
     "unwritable_reason",
@@ -72,6 +75,9 @@ _CLAIM, _COMMIT, _ABORT = Script(CLAIM), Script(COMMIT), Script(ABORT)
 _CLAIM_COMPACT, _COMMIT_COMPACT = Script(CLAIM_COMPACT), Script(COMMIT_COMPACT)
 _CLAIM_BLOOM, _COMMIT_BLOOM = Script(CLAIM_BLOOM), Script(COMMIT_BLOOM)
 _CLAIMS = (_CLAIM, _CLAIM_COMPACT, _CLAIM_BLOOM)
+# Each script's cluster form: one call per node for keys of many slots.
+_ALL = (_CLAIM, _COMMIT, _ABORT, _CLAIM_COMPACT, _COMMIT_COMPACT, _CLAIM_BLOOM, _COMMIT_BLOOM)
+_CROSS = {script: Script(cross_slot(script.source)) for script in _ALL}
 _SKEW_ALLOWANCE_MS = 60_000
 # One script call of a cluster batch: its KEYS and ARGV (all keys in one slot).
 _Call = tuple[Sequence[bytes], Sequence[Any]]
@@ -424,18 +430,96 @@ class Claims:
                 "the compact and approximate layouts need hash-tagged keys on a "
                 "cluster (cluster_shards > 0)"
             )
-        calls = {slot: build([keys[i] for i in idx]) for slot, idx in groups.items()}
-        answers = await self._on_nodes(script, calls)
+        answers = await self._per_node(script, keys, groups, build)
         if script not in _CLAIMS:
-            return [answers[slot] for slot in groups]
+            return [sum(int(a) for a, _ in answers)]
         # Claim answers are strings: put each letter back at its key's position.
         letters = [""] * len(keys)
-        for slot, idx in groups.items():
-            part = answers[slot]
+        for part, idx in answers:
             text = part.decode() if isinstance(part, bytes) else part
             for i, letter in zip(idx, text, strict=True):
                 letters[i] = letter
         return ["".join(letters)]
+
+    async def _per_node(
+        self,
+        script: Script,
+        keys: Sequence[bytes],
+        groups: dict[int, list[int]],
+        build: Callable[[Sequence[bytes]], _Call],
+    ) -> list[tuple[Any, list[int]]]:
+        """Run ``script`` over ``keys`` on a cluster: ONE call of its cluster form per
+        node, for all the slots of ``groups`` that node serves, all nodes at once. Each
+        answer comes with the positions in ``keys`` it answers for.
+
+        A node whose call fails (its slot map is stale: a slot moved away; the node died
+        or was paused; it lost the script twice) has its slots run again through
+        :meth:`_on_nodes`, one call per slot, which follows MOVED and ASK and retries
+        once on a fresh map. That is safe: for one token each script is idempotent, so
+        what the failed call did before it stopped is simply done again.
+        """
+        client = self._client
+        assert isinstance(client, RedisCluster)
+        try:
+            await client.initialize()  # no I/O unless redis-py dropped its slot map
+            manager = client.nodes_manager
+            nodes: dict[str, tuple[ClusterNode, list[int]]] = {}
+            for slot in groups:
+                node = manager.get_node_from_slot(slot)
+                nodes.setdefault(node.name, (node, []))[1].append(slot)
+        except RedisClusterException as exc:  # SlotNotCoveredError: a slot map in flux
+            raise ClusterError(f"Redis Cluster slot map unavailable: {exc}") from exc
+        todo = [
+            (node, slots, [i for slot in slots for i in groups[slot]])
+            for node, slots in nodes.values()
+        ]
+        outcomes = await asyncio.gather(
+            *(
+                self._node_call(node, script, build([keys[i] for i in idx]))
+                for node, _, idx in todo
+            ),
+            return_exceptions=True,
+        )
+        answers: list[tuple[Any, list[int]]] = []
+        again: list[int] = []  # slots to run one by one
+        failed: list[ClusterNode] = []
+        for (node, slots, idx), outcome in zip(todo, outcomes, strict=True):
+            if not isinstance(outcome, BaseException):
+                answers.append((outcome, idx))
+            elif isinstance(outcome, RedisError | OSError):
+                again.extend(slots)
+                if isinstance(outcome, _NODE_ERRORS) and not isinstance(
+                    outcome, MaxConnectionsError
+                ):
+                    failed.append(node)
+            else:
+                raise outcome
+        if again:
+            # A refreshed map first when a node failed, so the calls per slot do not wait
+            # on it a second time.
+            if failed:
+                await self._refresh_slots(failed, [], full=True)
+            slot_calls = {slot: build([keys[i] for i in groups[slot]]) for slot in again}
+            per_slot = await self._on_nodes(script, slot_calls)
+            answers.extend((per_slot[slot], groups[slot]) for slot in again)
+        return answers
+
+    async def _node_call(self, node: ClusterNode, script: Script, call: _Call) -> Any:
+        """One call of ``script``'s cluster form on ``node`` (loaded first if the node
+        answers NOSCRIPT: 3 round trips instead of 1)."""
+        cross = _CROSS[script]
+        call_keys, args = call
+        command = ("EVALSHA", cross.sha, 0, len(call_keys), *call_keys, *args)
+        async with self._slot_calls:
+            try:
+                answer = await node.execute_command(*command)
+            except NoScriptError:
+                await node.execute_command("SCRIPT", "LOAD", cross.source)
+                self._stats.redis_round_trips += 2
+                answer = await node.execute_command(*command)
+            finally:
+                self._stats.redis_round_trips += 1
+        return answer
 
     async def _on_nodes(self, script: Script, calls: dict[int, _Call]) -> dict[int, Any]:
         """Run one script call per slot of ``calls``, in ONE pipeline per node that owns

@@ -39,6 +39,7 @@ __all__ = [
     "COMMIT_BLOOM",
     "COMMIT_COMPACT",
     "Script",
+    "cross_slot",
 ]
 
 
@@ -253,6 +254,27 @@ for _, key in ipairs(KEYS) do
 end
 return n
 """
+
+
+_CROSS_SLOT = """#!lua flags=allow-cross-slot-keys
+-- The cluster form: run on ONE Redis Cluster node for keys of many slots, all served by
+-- that node (called with no declared keys). ARGV[1] is how many keys follow it in ARGV;
+-- the rest of ARGV is the script's own. Redis refuses a key this node does not serve.
+local KEYS, ARGV = (function(a)
+  local n, k, v = tonumber(a[1]), {}, {}
+  for i = 1, n do k[i] = a[1 + i] end
+  for i = n + 2, #a do v[#v + 1] = a[i] end
+  return k, v
+end)(ARGV)
+"""
+
+
+def cross_slot(source: str) -> str:
+    """The cluster form of the script ``source``: the same steps, for the keys of many
+    slots on one node, passed after their count in ARGV (Redis 7's
+    ``allow-cross-slot-keys`` flag), so that a batch costs one call per node instead
+    of one per slot. Declared KEYS of several slots would be refused (CROSSSLOT)."""
+    return _CROSS_SLOT + source
 
 
 class Script:
