@@ -337,12 +337,14 @@ async def run_one(
     *,
     rate: float | None = None,
     ready: Callable[[], Awaitable[None]] | None = None,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run ``strategy`` over ``values`` in this process; returns its counts and timings.
 
     A closed loop of ``concurrency`` callers, or with ``rate`` an open loop offering
     ``rate`` requests/s with at most ``concurrency`` in flight. ``ready`` is awaited
-    once everything is open, just before the clock starts. The result's
+    once everything is open, just before the clock starts. ``options`` are Gateway
+    options for ``dedup`` (``bench/latency_tradeoff.py``). The result's
     ``latencies`` holds every request's latency in seconds, in stream order.
     """
     if strategy not in STRATEGIES:
@@ -362,7 +364,7 @@ async def run_one(
         elif strategy == "db-only":
             save = _DbOnly(pool, c).save
         else:
-            gw = Gateway(redis_url, pg_url, namespace="bench")
+            gw = Gateway(redis_url, pg_url, namespace="bench", **(options or {}))
             await gw.open()
 
             async def save(value: str) -> bool:
