@@ -50,6 +50,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _STAT_HELP = {
     "redis_round_trips": "Script calls and other commands sent to Redis.",
+    "redis_batches": "Claim, commit and abort batches sent to Redis (one per batch, any nodes).",
     "db_statements": "Statements sent to the database sink.",
     "db_rows_sent": "Rows offered to the database (including rows that existed already).",
     "claim_batches": "Claim script calls that succeeded.",

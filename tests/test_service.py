@@ -538,6 +538,7 @@ async def test_metrics(served: Served, http: aiohttp.ClientSession) -> None:
     assert m['dedup_answers_total{source="write"}'] >= 7
     assert m['dedup_answers_total{source="local"}'] >= 3
     assert m["dedup_redis_round_trips_total"] > 0 and m["dedup_db_statements_total"] > 0
+    assert 0 < m["dedup_redis_batches_total"] <= m["dedup_redis_round_trips_total"]
     assert m["dedup_degraded"] == 0 and m["dedup_pending"] == 0
     assert m['dedup_http_responses_total{code="201",route="/v1/save"}'] >= 3
     assert m['dedup_http_batch_items_bucket{le="5"}'] < m['dedup_http_batch_items_bucket{le="10"}']
