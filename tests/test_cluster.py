@@ -15,6 +15,7 @@ from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from dedup import Gateway
+from dedup.bloom import BloomSpec
 from dedup.claims import Claims, unlink_matching
 from dedup.keys import KeySpace, digest
 from dedup.metrics import Stats
@@ -206,3 +207,24 @@ async def test_unlink_matching_reaches_every_primary_from_a_new_client(
         assert sum(sizes) == 1  # only the key outside the pattern
     finally:
         await fresh.aclose()
+
+
+async def test_approximate_mode_one_call_per_node(cluster_servers: RedisClusterServers) -> None:
+    """The Bloom scripts' cluster form: claim, commit and re-claim over 16 tags."""
+    rc = RedisCluster(host="127.0.0.1", port=cluster_servers.nodes[2].port)
+    try:
+        space = KeySpace("dedup", cluster_shards=16)
+        keys = [space.key("email", digest(f"b{i}")) for i in range(500)]
+        one = claims_on(rc, cluster_shards=16, approximate=BloomSpec(10_000))
+        two = claims_on(rc, cluster_shards=16, approximate=BloomSpec(10_000))
+        assert await one.claim(keys) == "W" * 500
+        assert await two.claim(keys) == "B" * 500
+        assert await one.commit(keys[:300]) == 300
+        assert await two.claim(keys) == "S" * 300 + "B" * 200
+        assert await one.abort(keys[:300]) == 0  # saved, not held; loads the script
+        before = evalsha_calls(cluster_servers)
+        assert await one.abort(keys[300:]) == 200
+        after = evalsha_calls(cluster_servers)
+        assert {port: after[port] - before[port] for port in after} == dict.fromkeys(after, 1)
+    finally:
+        await rc.aclose()
