@@ -382,15 +382,17 @@ async def run_one(
         cpu = _own_cpu_s() - cpu0
         c.batches = c.redis  # one command at a time, each awaited before the next
         if gw is not None:
+            # Counted after the close: until then this process may still be the fleet's
+            # shared writer, writing rows of processes that are not finished yet.
+            await gw.aclose()
             stats = gw.stats()
+            gw = None
             c.redis, c.batches, c.statements, c.rows_sent = (
                 stats.redis_round_trips,
                 stats.redis_batches,
                 stats.db_statements,
                 stats.db_rows_sent,
             )
-            await gw.aclose()
-            gw = None
         return {
             "seconds": seconds,
             **percentiles(latencies),
