@@ -117,11 +117,14 @@ def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis 
                 plain = url.replace("+cluster", "", 1)
                 cluster = RedisCluster.from_url(plain, max_connections=max_connections, **common)
                 # RedisCluster takes no connection class: give its nodes, those known and
-                # those found later (one kwargs dict feeds both), the faster packing too.
-                fast = fast_packing(cluster.connection_kwargs["connection_class"])
-                cluster.connection_kwargs["connection_class"] = fast
-                for node in cluster.nodes_manager.startup_nodes.values():
-                    node.connection_class = fast
+                # those found later (one kwargs dict feeds both), the faster packing too;
+                # a redis-py laid out otherwise keeps its own (slower, same bytes).
+                template = getattr(cluster, "connection_kwargs", None)
+                if isinstance(template, dict) and "connection_class" in template:
+                    fast = fast_packing(template["connection_class"])
+                    template["connection_class"] = fast
+                    for node in cluster.nodes_manager.startup_nodes.values():
+                        node.connection_class = fast
                 return cluster
         # A pooled connection that died with a restarted server fails on its next use:
         # retry such errors twice on a fresh connection (every script here is safe to

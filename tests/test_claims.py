@@ -19,7 +19,7 @@ from redis.exceptions import (
     ResponseError,
 )
 
-from dedup.claims import Claims, probe_write, unwritable_reason
+from dedup.claims import Claims, connect_redis, probe_write, unwritable_reason
 from dedup.errors import ConfigError
 from dedup.keys import KeySpace, MarkerLayout, digest
 from dedup.metrics import Stats
@@ -362,3 +362,13 @@ async def test_failing_snapshots(fresh_redis: RedisServer) -> None:
         await until(writable)
     finally:
         await rds.aclose()
+
+
+async def test_redis_clients_pack_commands_the_fast_way(redis_url: str) -> None:
+    client = connect_redis(redis_url, max_connections=4, timeout_s=5)
+    assert isinstance(client, Redis)
+    try:
+        assert client.connection_pool.connection_class.__name__ == "FastPackConnection"
+        assert await claims(client).claim(keys_of("fast")) == "W"
+    finally:
+        await client.aclose()

@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from dedup import Gateway
 from dedup.bloom import BloomSpec
-from dedup.claims import Claims, unlink_matching
+from dedup.claims import Claims, connect_redis, unlink_matching
 from dedup.keys import KeySpace, digest
 from dedup.metrics import Stats
 from tests.servers import RedisClusterServers, RedisServer
@@ -228,3 +228,17 @@ async def test_approximate_mode_one_call_per_node(cluster_servers: RedisClusterS
         assert {port: after[port] - before[port] for port in after} == dict.fromkeys(after, 1)
     finally:
         await rc.aclose()
+
+
+async def test_cluster_clients_pack_commands_the_fast_way(
+    cluster_servers: RedisClusterServers,
+) -> None:
+    client = connect_redis(cluster_servers.url, max_connections=8, timeout_s=5)
+    assert isinstance(client, RedisCluster)
+    try:
+        await client.set("{a}k", "v")
+        assert await client.get("{a}k") == b"v"
+        classes = {type(node.acquire_connection()).__name__ for node in client.get_nodes()}
+        assert classes == {"FastPackConnection"}
+    finally:
+        await client.aclose()
