@@ -44,6 +44,17 @@ fi
 if ! command -v redis-server >/dev/null; then
     apt_install redis-server
 fi
+# The claim scripts use SET ... NX GET: Redis 7.0 or newer (Ubuntu 22.04 ships 6.0).
+redis_version=$(redis-server --version | sed -n 's/.* v=\([0-9][0-9.]*\).*/\1/p')
+if [[ -n $redis_version ]] && (( ${redis_version%%.*} < 7 )); then
+    say "redis-server $redis_version is older than 7.0, which dedup needs. Install Redis 7 from"
+    say "redis.io's packages (https://redis.io/docs/latest/operate/oss_and_stack/install/install-redis/install-redis-on-linux/):"
+    say "  curl -fsSL https://packages.redis.io/gpg | sudo gpg --dearmor -o /usr/share/keyrings/redis-archive-keyring.gpg"
+    say "  echo \"deb [signed-by=/usr/share/keyrings/redis-archive-keyring.gpg] https://packages.redis.io/deb \$(lsb_release -cs) main\" | sudo tee /etc/apt/sources.list.d/redis.list"
+    say "  sudo apt-get update && sudo apt-get install -y redis"
+    say "then run this again (or put a Redis 7 redis-server first on PATH)."
+    exit 1
+fi
 
 if [[ $want_tests -eq 1 ]]; then
     if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null; then

@@ -434,3 +434,31 @@ def test_shipped_config_lists_every_setting_with_its_true_default() -> None:
     assert load_service_settings(config_path=SHIPPED_CONFIG, environ={}, flags={}) == (
         ServiceSettings()
     )
+
+
+@pytest.mark.parametrize(("version", "refused"), [("6.0.16", True), ("7.0.15", False)])
+def test_setup_says_what_to_do_with_a_redis_older_than_7(
+    tmp_path: Path, version: str, refused: bool
+) -> None:
+    # A stand-in redis-server first on PATH: only its --version answer matters here.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "redis-server").write_text(f"#!/bin/sh\necho 'Redis server v={version} sha=0'\n")
+    (fake / "redis-server").chmod(0o755)
+    setup = Path(__file__).parent.parent / "scripts" / "setup.sh"
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", str(setup), "--tests"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if refused:
+        assert done.returncode == 1
+        assert f"redis-server {version} is older than 7.0" in done.stderr
+        assert "packages.redis.io" in done.stderr
+    else:  # past the check; the rest of the set-up is already done here
+        assert done.returncode == 0, done.stderr
+        assert "older than" not in done.stderr
