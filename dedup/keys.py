@@ -237,7 +237,6 @@ class MarkerLayout:
     """
 
     __slots__ = (
-        "_field_mask",
         "_kinds",
         "_locator_bytes",
         "_locator_mask",
@@ -262,7 +261,6 @@ class MarkerLayout:
         self.field_bytes = min(12, -(-(MARKER_BITS - name_bits) // 8))
         self.guaranteed_bits = name_bits + 8 * self.field_bytes
         self._shift = 96 - 8 * self.field_bytes
-        self._field_mask = (1 << 8 * self.field_bytes) - 1
         self._locator_bytes = 3 + self.field_bytes
         self._locator_mask = (1 << 8 * self._locator_bytes) - 1
         self._kinds: dict[bytes, int] = {}
@@ -271,20 +269,12 @@ class MarkerLayout:
         self, key: bytes, generations: Sequence[bytes] = (b"",)
     ) -> tuple[list[bytes], bytes]:
         """The buckets of ``key`` (a :meth:`KeySpace.key`), one per name in
-        ``generations`` (``b""`` when markers never expire), and its field."""
-        kind = key[-_TAIL_BYTES:-DIGEST_BYTES]
-        mask = self._kinds.get(kind)
-        if mask is None:
-            mask = int.from_bytes(kind + kind)
-            if len(self._kinds) < 4096:  # kinds are few; bound the cache anyway
-                self._kinds[kind] = mask
-        # x[1:4] and x[4:4+field_bytes] of x as 16 bytes, read off the integer (the hot
-        # path: a claim locates every key of its batch).
-        x = int.from_bytes(key[-DIGEST_BYTES:]) ^ mask
-        index = (x >> 96 & 0xFFFFFF) % self.buckets_per_tag
-        field = (x >> self._shift & self._field_mask).to_bytes(self.field_bytes)
+        ``generations`` (``b""`` when markers never expire), and its field: what the
+        compact scripts derive from :meth:`locator` (for tools and tests)."""
+        loc = self.locator(key)
+        index = int.from_bytes(loc[:3]) % self.buckets_per_tag
         head = key[:-_TAIL_BYTES]
-        return [b"%sm%s:%d" % (head, g, index) for g in generations], field
+        return [b"%sm%s:%d" % (head, g, index) for g in generations], loc[3:]
 
     def locator(self, key: bytes) -> bytes:
         """What the compact scripts need besides ``key`` to find its marker: the 3 bytes
@@ -294,8 +284,10 @@ class MarkerLayout:
         mask = self._kinds.get(kind)
         if mask is None:
             mask = int.from_bytes(kind + kind)
-            if len(self._kinds) < 4096:
+            if len(self._kinds) < 4096:  # kinds are few; bound the cache anyway
                 self._kinds[kind] = mask
+        # x[1:4] and x[4:4+field_bytes] of x = digest XOR kind digest twice, as 16 bytes,
+        # read off the integer (the hot path: claims and commits locate every key).
         x = int.from_bytes(key[-DIGEST_BYTES:]) ^ mask
         return (x >> self._shift & self._locator_mask).to_bytes(self._locator_bytes)
 

@@ -162,14 +162,20 @@ def test_fast_packing_sends_what_redis_py_sends(
 
 
 def test_marker_locators_hold_the_bucket_index_and_the_field() -> None:
+    # The documented layout, byte by byte: x = value digest XOR (kind digest twice); the
+    # locator is x[1:4] (the bucket index, modulo buckets_per_tag) then x[4:4+field_bytes].
     for buckets, shards in ((65536, 0), (1000, 4), (1, 0)):
         layout, space = MarkerLayout(marker_buckets=buckets, cluster_shards=shards), KeySpace("n")
         for i in range(200):
-            key = space.key("k", digest(str(i)))
-            (bucket,), field = layout.locate(key)
+            value_digest = digest(str(i))
+            key = space.key("k", value_digest)
+            kind = key[-24:-16]
+            x = bytes(a ^ b for a, b in zip(value_digest, kind + kind, strict=True))
             loc = layout.locator(key)
-            assert loc[3:] == field and len(loc) == 3 + layout.field_bytes
-            assert bucket.endswith(b":%d" % (int.from_bytes(loc[:3]) % layout.buckets_per_tag))
+            assert loc == x[1 : 4 + layout.field_bytes]
+            (bucket,), field = layout.locate(key)
+            assert field == x[4 : 4 + layout.field_bytes]
+            assert bucket.endswith(b":%d" % (int.from_bytes(x[1:4]) % layout.buckets_per_tag))
 
 
 def test_redis_older_than_7_is_named() -> None:
