@@ -91,8 +91,7 @@ async def saved_again(url: str, pg_url: str, ledger: Ledger) -> Counter[str]:
     acked = sorted(key for key, flags in ledger.acks.items() if flags)
     async with Gateway(url, pg_url, **OPTIONS) as gw:
         results = await gw.save_many(acked)
-    for key, result in zip(acked, results, strict=True):
-        ledger.record(key, result)
+    ledger.record_all(acked, results)
     assert not any(r.created for r in results)
     return Counter(r.source for r in results)
 

@@ -41,14 +41,12 @@ import pytest
 from redis.asyncio import Redis
 
 from dedup import DedupError, Gateway, Overloaded, Row, SaveResult, Unavailable
-from dedup.claims import Claims
-from dedup.keys import KeySpace, digest
-from dedup.metrics import Stats
+from dedup.keys import digest
 from dedup.migrate import upgrade_async
 from dedup.store import pg_insert
 from tests.servers import PostgresCluster, RedisServer
 from tests.slow_proxy import SlowProxy
-from tests.test_processes import Child
+from tests.test_processes import Child, markers
 from tests.test_service import request, service_env, spawn_service, wait_exit, wait_healthy
 
 WAIT_S = 30.0  # bound of every "until" below: generous, the faults last a few seconds
@@ -74,6 +72,11 @@ class Ledger:
     def record(self, key: Key, result: SaveResult) -> None:
         assert result.created == (result.source == "write"), result
         self.acks.setdefault(key, []).append(result.created)
+
+    def record_all(self, keys: Sequence[Key], results: Sequence[SaveResult]) -> None:
+        """The answers of a batch (``save_many``), one per key, in order."""
+        for key, result in zip(keys, results, strict=True):
+            self.record(key, result)
 
     def record_line(self, line: dict[str, Any]) -> None:
         """One answer of a child (``tests/child.py``'s JSON line)."""
@@ -192,18 +195,6 @@ async def loaded(gateways: Sequence[Gateway], ledger: Ledger, *, both: bool) -> 
         await load.finish()
 
 
-async def markers(redis_url: str, keys: Sequence[Key]) -> str:
-    """What Redis holds for each key (default namespace), in any marker layout: one
-    letter per key, ``S`` saved, ``L`` leased, ``-`` absent."""
-    space = KeySpace("dedup")
-    client = Redis.from_url(redis_url)
-    try:
-        claims = Claims(client, lease_ms=1, retention_ms=0, stats=Stats())
-        return await claims.states([space.key(k, digest(v)) for k, v in keys])
-    finally:
-        await client.aclose()
-
-
 async def leases_held(redis_url: str) -> int:
     """How many keys of the default namespace hold a value's lease token (string keys
     whose value starts with L). Marker buckets (hashes) and the shared writes' keys
@@ -309,8 +300,7 @@ async def test_sigkill_gateway_processes_under_load(
     unanswered = 3 * len(distinct) - sum(len(answers(out)) for _, out in procs)
     # The gateway serves again by itself: a new one saves every value once more.
     async with Gateway(redis_url, pg_url, lease_ms=1000, wait_timeout_s=WAIT_S) as gw:
-        for key, result in zip(distinct, await gw.save_many(distinct), strict=True):
-            ledger.record(key, result)
+        ledger.record_all(distinct, await gw.save_many(distinct))
     rows = await check_contract(
         capsys, "SIGKILL 2 of 3 gateway processes", pg_url, ledger,
         cut_short=unanswered, survivor_busy=stats["busy"],
@@ -373,8 +363,7 @@ async def test_sigstopped_writer_past_its_lease(
     ledger = Ledger()
     for line in answers(out):
         ledger.record_line(line)
-    for key, result in zip(distinct, results, strict=True):
-        ledger.record(key, result)
+    ledger.record_all(distinct, results)
     rows = await check_contract(
         capsys, "SIGSTOP a writer for 2x its lease", pg_url, ledger,
         leases_held_when_stopped=held, taken_over_after_s=round(took_over_s, 2),

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -176,14 +177,14 @@ async def _marker_fields(redis_url: str, namespace: str) -> int:
     return total
 
 
-async def _states(redis_url: str, namespace: str, items: list[tuple[str, str]]) -> str:
-    """What Redis holds for each item, in any marker layout: ``S`` saved, ``L`` leased,
-    ``-`` absent (:meth:`dedup.claims.Claims.states`)."""
+async def markers(redis_url: str, keys: Sequence[tuple[str, str]], namespace: str = "dedup") -> str:
+    """What Redis holds for each key of ``namespace``, in any marker layout: one letter
+    per key, ``S`` saved, ``L`` leased, ``-`` absent (:meth:`dedup.claims.Claims.states`)."""
     space = KeySpace(namespace)
     client = Redis.from_url(redis_url)
     try:
         claims = Claims(client, lease_ms=1, retention_ms=0, stats=Stats())
-        return await claims.states([space.key(kind, digest(value)) for kind, value in items])
+        return await claims.states([space.key(k, digest(v)) for k, v in keys])
     finally:
         await client.aclose()
 
@@ -270,7 +271,7 @@ async def test_processes_save_overlapping_values_exactly_once(
     # Redis holds one "saved" marker per value, all in this namespace: every value
     # reads saved, the buckets hold exactly one field per value, and no lease or other
     # per-value key is left behind.
-    assert await _states(redis_url, namespace, distinct) == "S" * len(distinct)
+    assert await markers(redis_url, distinct, namespace) == "S" * len(distinct)
     assert await _marker_fields(redis_url, namespace) == len(distinct)
     assert await _value_keys(redis_url, namespace) == {}
 
@@ -284,7 +285,7 @@ async def test_processes_save_overlapping_values_exactly_once(
         other = await gw.save_many(sample)
     assert {(r.created, r.source) for r in same} == {(False, "redis")}
     assert {(r.created, r.source) for r in other} == {(False, "db")}
-    assert await _states(redis_url, other_namespace, sample) == "S" * len(sample)
+    assert await markers(redis_url, sample, other_namespace) == "S" * len(sample)
     assert await _marker_fields(redis_url, other_namespace) == len(sample)
     assert await _value_keys(redis_url, other_namespace) == {}
     assert await _marker_fields(redis_url, namespace) == len(distinct)
@@ -313,7 +314,7 @@ async def test_sigkilled_lease_holder_is_taken_over_after_its_lease(
     keys = await _value_keys(redis_url, namespace)
     assert set(keys) == _keys_of(namespace, items)
     assert b"1" not in set(keys.values())
-    assert await _states(redis_url, namespace, items) == "L" * len(items)
+    assert await markers(redis_url, items, namespace) == "L" * len(items)
     assert await _marker_fields(redis_url, namespace) == 0
     client = Redis.from_url(redis_url)
     try:
@@ -341,6 +342,6 @@ async def test_sigkilled_lease_holder_is_taken_over_after_its_lease(
     # The first claims found the dead writer's leases and waited for them to expire.
     assert stats.busy > 0
     assert stats.wait_timeouts == 0 and stats.lost_leases == 0
-    assert await _states(redis_url, namespace, items) == "S" * len(items)
+    assert await markers(redis_url, items, namespace) == "S" * len(items)
     assert await _marker_fields(redis_url, namespace) == len(items)
     assert await _value_keys(redis_url, namespace) == {}

@@ -36,21 +36,18 @@ async def test_full_redis_degrades_and_recovers(
                 while not gw.degraded:  # fill Redis with markers until it refuses
                     batch = [("full", f"v{n + i}") for i in range(500)]
                     n += 500
-                    for key, result in zip(batch, await gw.save_many(batch), strict=True):
-                        ledger.record(key, result)
+                    ledger.record_all(batch, await gw.save_many(batch))
                     assert n < 400_000, "Redis never filled up"
                 reasons.add(gw.degraded_reason)
                 for _ in range(20):  # full: every save still acknowledged, via the database
                     batch = [("full", f"v{n + i}") for i in range(500)]
                     n += 500
-                    for key, result in zip(batch, await gw.save_many(batch), strict=True):
-                        ledger.record(key, result)
+                    ledger.record_all(batch, await gw.save_many(batch))
                 assert gw.degraded and gw.degraded_reason == "oom"
                 await admin.config_set("maxmemory", "0")  # memory freed
                 await until("the circuit to close", lambda: not gw.degraded)
                 batch = [("full", f"v{n + i}") for i in range(500)]
-                for key, result in zip(batch, await gw.save_many(batch), strict=True):
-                    ledger.record(key, result)
+                ledger.record_all(batch, await gw.save_many(batch))
                 stats = gw.stats()
         finally:
             await admin.aclose()
@@ -73,19 +70,16 @@ async def test_read_only_replica_degrades_and_recovers(
         try:
             async with Gateway(fresh_redis.url, pg_url, shared_writes="off", **FAST) as gw:
                 first = [("ro", f"a{i}") for i in range(200)]
-                for key, result in zip(first, await gw.save_many(first), strict=True):
-                    ledger.record(key, result)
+                ledger.record_all(first, await gw.save_many(first))
                 # A failover made this server a replica: it answers, but refuses writes.
                 await admin.replicaof("127.0.0.1", primary.port)
                 more = [("ro", f"b{i}") for i in range(200)]
-                for key, result in zip(more, await gw.save_many(more), strict=True):
-                    ledger.record(key, result)
+                ledger.record_all(more, await gw.save_many(more))
                 assert gw.degraded and gw.degraded_reason == "readonly"
                 await admin.replicaof("NO", "ONE")  # promoted back
                 await until("the circuit to close", lambda: not gw.degraded)
                 last = [("ro", f"c{i}") for i in range(200)]
-                for key, result in zip(last, await gw.save_many(last), strict=True):
-                    ledger.record(key, result)
+                ledger.record_all(last, await gw.save_many(last))
         finally:
             await admin.aclose()
     await check_contract(capsys, "Redis turned read-only (READONLY)", pg_url, ledger)
