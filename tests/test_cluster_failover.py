@@ -75,6 +75,21 @@ async def sampled(gw: Gateway) -> AsyncIterator[Degraded]:
             await degraded.task
 
 
+@contextlib.asynccontextmanager
+async def under_load(
+    servers: RedisClusterServers, pg_url: str, ledger: Ledger
+) -> AsyncIterator[tuple[Gateway, Degraded, Load]]:
+    """A gateway on the cluster, its degraded time sampled, under a load that has made
+    500 saves already."""
+    async with (
+        Gateway(servers.url, pg_url, **OPTIONS) as gw,
+        sampled(gw) as degraded,
+        loaded([gw], ledger, both=False) as load,
+    ):
+        await load.grows_by(500, "saves before the fault")
+        yield gw, degraded, load
+
+
 async def serves_on_redis_again(gw: Gateway, load: Load) -> float:
     """Wait until the circuit is closed and claims go to Redis again; the seconds it took."""
     started = time.monotonic()
@@ -102,12 +117,7 @@ async def test_primary_sigkilled_under_load_replica_promoted(
     victim = servers.nodes[1]
     (replica,) = servers.replicas_of(victim)
     ledger = Ledger()
-    async with (
-        Gateway(servers.url, pg_url, **OPTIONS) as gw,
-        sampled(gw) as degraded,
-        loaded([gw], ledger, both=False) as load,
-    ):
-        await load.grows_by(500, "saves before the fault")
+    async with under_load(servers, pg_url, ledger) as (gw, degraded, load):
         victim.kill()  # SIGKILL
         killed = time.monotonic()
         promoted_s = await until(
@@ -133,12 +143,7 @@ async def test_paused_primary_replaced_by_takeover(
     victim = servers.nodes[2]
     (replica,) = servers.replicas_of(victim)
     ledger = Ledger()
-    async with (
-        Gateway(servers.url, pg_url, **OPTIONS) as gw,
-        sampled(gw) as degraded,
-        loaded([gw], ledger, both=False) as load,
-    ):
-        await load.grows_by(500, "saves before the fault")
+    async with under_load(servers, pg_url, ledger) as (gw, degraded, load):
         # Make the primary take writes its replica never gets: the replica is paused (it
         # cannot reconnect) and its link closed; the primary goes on taking writes alone.
         replica.pause()
