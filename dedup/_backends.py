@@ -48,14 +48,15 @@ class _Reports(Protocol):
 class Backends:
     """The servers and connections of one Gateway; :meth:`open` once, :meth:`aclose` once.
 
-    After :meth:`open`: ``redis`` and ``claims`` are set; ``sink`` is the write step
+    ``keys`` names the Redis keys of values. After :meth:`open`: ``redis`` and ``claims``
+    are set; ``sink`` is the write step
     (``default_sink`` is the same object, or None with a custom sink);
     ``redis_down_at_open`` says why Redis could not be used at open (empty if it could).
     """
 
     def __init__(self, options: GatewayOptions, keys: KeySpace, stats: Stats) -> None:
         self._options = options
-        self._keys = keys
+        self.keys = keys
         self._stats = stats
         self._stack = contextlib.AsyncExitStack()
         self.redis_url = ""
@@ -106,7 +107,7 @@ class Backends:
             lease_ms=options.lease_ms,
             retention_ms=options.retention_ms,
             stats=self._stats,
-            max_parallel=connections - 4,
+            max_parallel=options.max_claim_batches + options.max_write_batches,
             layout=options.marker_layout,
             marker_buckets=options.marker_buckets,
             cluster_shards=options.shards,

@@ -74,19 +74,25 @@ class ClaimStage:
         self._degraded.success()
         self._stats.claim_batches += 1
         writes, resolve, wait = self._writes.queue, self._flights.resolve, self._waits.wait
-        shared = self.shared if self.shared is not None and self.shared.active else None
+        owner = self.shared
+        shared = owner if owner is not None and owner.active else None
         queued: list[Flight] = []
         won = False
         saved = 0
         for f, letter in zip(batch, letters, strict=True):
             if letter == "W":
                 f.claimed_at = started
-                if shared is not None and not f.shared:
+                if f.shared:
+                    # A queued row with no word in time, or handed back: write it here
+                    # (the lease is ours), unless an earlier claim of it already does.
+                    assert owner is not None
+                    if owner.take_back(f):
+                        writes.append(f)
+                        won = True
+                elif shared is not None:
                     f.shared = True
                     queued.append(f)
                 else:
-                    # Per process, or a queued row with no word within its lease: write
-                    # it here (the lease is ours), so a dead writer delays it one lease.
                     writes.append(f)
                     won = True
             elif letter == "S":
@@ -100,9 +106,11 @@ class ClaimStage:
         if queued:
             assert shared is not None
             try:
-                await shared.enqueue(queued)
+                here = await shared.enqueue(queued)
             except (RedisError, OSError) as exc:
                 # The leases are ours either way: write these here, or degraded.
                 self._stats.redis_errors += 1
                 self._degraded.redis_failed(exc)
-                self._writes.extend(queued)
+                here = queued
+            if here:
+                self._writes.extend(here)

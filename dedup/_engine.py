@@ -22,14 +22,17 @@ from dedup._claim_stage import ClaimStage
 from dedup._degraded import DegradedMode
 from dedup._flights import Flight, FlightTable
 from dedup._shared import SharedWrites
+from dedup._shared_wire import Wire, sink_id
 from dedup._wait_queue import WaitQueue
 from dedup._write_stage import WriteStage
 from dedup.breaker import CircuitBreaker
 from dedup.claims import per_node, probe_write
 from dedup.errors import ConfigError, DedupError, Unavailable
+from dedup.keys import Limits
 from dedup.local import SavedCache
 from dedup.metrics import Stats
 from dedup.options import GatewayOptions
+from dedup.store import sink_identity
 
 __all__ = ["Engine"]
 
@@ -140,17 +143,34 @@ class Engine:
             writes=self.write_queue,
         )
         self.shared: SharedWrites | None = None
-        if options.shared_mode != "off":
+        identity = sink_identity(backends.sink)
+        if options.shared_mode == "on" and identity is None:
+            raise ConfigError(
+                "shared_writes='on' needs a sink that declares its identity (an `identity` "
+                "attribute naming its database and table): gateways write each other's rows "
+                "only when their sinks write the same table"
+            )
+        if options.shared_mode != "off" and identity is not None:
             assert isinstance(backends.redis, Redis)
             self.shared = SharedWrites(
                 loop,
                 mode=options.shared_mode,
                 client=backends.redis,
                 namespace=options.namespace,
+                wire=Wire(
+                    sink=sink_id(identity, options.secret),
+                    secret=options.secret,
+                    keys=backends.keys,
+                    limits=Limits(
+                        max_value_bytes=options.max_value_bytes,
+                        max_payload_bytes=options.max_payload_bytes,
+                    ),
+                ),
                 claims=backends.claims,
                 sink=backends.sink,
                 flights=self.flights,
                 waits=self.waits,
+                requeue=self.claim_queue.extend,
                 stats=stats,
                 redis_failed=self.degraded.redis_failed,
                 usable=lambda: not self.degraded.active,
@@ -159,6 +179,8 @@ class Engine:
                 linger_s=options.shared_linger_ms / 1000,
                 lease_s=options.lease_s,
                 write_timeout_s=options.write_timeout_s,
+                write_budget_s=options.write_budget_s,
+                queue_max=options.shared_queue_max,
             )
             self.claim_stage.shared = self.shared
             self.shared.start()

@@ -2,21 +2,34 @@
 
 Batching only its own winners, each process sends smaller statements as the fleet
 grows (16 processes of 16 callers can never fill a batch past 16 rows). In shared
-mode a winner does not write: it pushes its row onto one Redis list per
-namespace. One writer, elected with the project's own fenced lease
-(:class:`dedup.lock.Lock`, renewed by its watchdog and taken over when its holder
-dies or pauses past it), drains the list into large sorted statements, commits the
-markers, and publishes each outcome on the claimant's own channel; every process
-answers its callers from those notifications.
+mode a winner does not write: it pushes its row onto one Redis list. One writer,
+elected with the project's own fenced lease (:class:`dedup.lock.Lock`, renewed by
+its watchdog and taken over when its holder dies or pauses past it), drains the
+list into large sorted statements, commits the markers, and publishes each outcome
+on the claimant's own channel; every process answers its callers from those words.
 
-Nothing is acknowledged before the row is committed: a claimant answers only when
-the writer says its row is in the table. Rows lost with a dead writer or a
-restarted Redis are never acknowledged: the claimant re-claims when its lease
-runs out (its own lease is extended, so nobody else races it) and queues the row
-again; the database's unique key makes every repeat harmless.
+Who shares: only gateways whose sinks have the same identity (the default sink's is
+its database URL without the password, plus the table; a custom sink declares one,
+or never shares). The queue, the election, the heartbeat and the channels are all
+named after that identity, so gateways of several services on one Redis share
+markers but each writes its own rows into its own database.
+
+Nothing is acknowledged before the row is committed, and no wait is unbounded:
+
+* a claimant renews the leases of its queued rows while it waits (so no other
+  gateway can claim a value whose row is still queued), and takes a row back to
+  write it itself when no word comes within a lease (or sooner, so that it still
+  ends by the caller's ``wait_timeout_s``), when the queue is full, or when the
+  writer answers ``r``;
+* the writer checks every row it pops (format, claim, signature with
+  ``shared_secret``, the save's own checks) and that its claimant still holds the
+  lease, then writes; a writer whose statement times out, or fails a few times in a
+  row, answers ``r`` for its rows, gives up the role and rests a while, so a writer
+  cut off from its database never holds up the fleet;
+* answers name their claim (gateway and nonce), so a stale answer resolves nothing.
 
 The mode: ``shared_writes="auto"`` (the default) writes across processes while
-more than one gateway of the namespace is alive (a heartbeat set in Redis), and
+more than one gateway of the same sink is alive (a heartbeat set in Redis), and
 per process otherwise, where the extra hop only costs; ``"on"`` and ``"off"`` force it.
 """
 
@@ -24,23 +37,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import orjson
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from dedup._flights import Flight, FlightTable
+from dedup._shared_wire import BadMessage, QueuedRow, Wire
 from dedup._wait_queue import WaitQueue
+from dedup._write_stage import write_rows
 from dedup.claims import Claims
-from dedup.errors import Unavailable
 from dedup.lock import Lock
 from dedup.metrics import Stats
 from dedup.scripts import Script
-from dedup.types import BatchWriter, Row
+from dedup.types import BatchWriter
 
 __all__ = ["SharedWrites"]
 
@@ -65,19 +79,77 @@ LEAVE = """
 return redis.call('ZREM', KEYS[1], ARGV[1])
 """
 
-_HEARTBEAT, _LEAVE = Script(HEARTBEAT), Script(LEAVE)
+ENQUEUE = """
+-- KEYS[1]: the write queue
+-- ARGV[1]: the most rows it may hold; ARGV[2]: its expiry in ms; ARGV[3..]: the rows
+-- Returns: 1 when the rows were added, 0 when they would pass the cap (none added)
+local n = #ARGV - 2
+if redis.call('LLEN', KEYS[1]) + n > tonumber(ARGV[1]) then return 0 end
+for i = 3, #ARGV, 1000 do
+  redis.call('RPUSH', KEYS[1], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+POP = """
+-- KEYS[1]: the write queue; ARGV[1]: the most rows to take
+-- Returns: up to ARGV[1] rows from its head, taken off it
+local rows = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
+if #rows > 0 then redis.call('LTRIM', KEYS[1], #rows, -1) end
+return rows
+"""
+
+RENEW = """
+-- KEYS: the lease keys of rows a claimant queued and still waits for
+-- ARGV[1]: the claimant's token; ARGV[2]: the lease in ms
+-- Returns: how many it still held (each renewed for a lease)
+local held = 0
+for _, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[1] then
+    redis.call('PEXPIRE', key, ARGV[2])
+    held = held + 1
+  end
+end
+return held
+"""
+
+HOLD = """
+-- KEYS: the lease keys of the rows a writer popped
+-- ARGV[1]: the lease in ms; ARGV[1+i]: the token row i was queued under
+-- Returns: one character per row: 1 when its claimant still holds the lease (now
+--   renewed for a lease, so that the statement ends inside it), 0 when not (it
+--   expired, another claimant took it, or the value is saved)
+local lease, out = ARGV[1], {}
+for i, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[1 + i] then
+    redis.call('PEXPIRE', key, lease)
+    out[i] = '1'
+  else
+    out[i] = '0'
+  end
+end
+return table.concat(out)
+"""
+
+_HEARTBEAT, _LEAVE, _ENQUEUE = Script(HEARTBEAT), Script(LEAVE), Script(ENQUEUE)
+_POP, _RENEW, _HOLD = Script(POP), Script(RENEW), Script(HOLD)
 _HEARTBEAT_S = 1.0
-_HEARTBEAT_TTL_MS = 3500
 _POP_BLOCK_S = 0.1
-_RECHECK_MARGIN_S = 0.05
 _IDLE_S = 0.2
+_MAX_FAILURES = 3
+"""Statements in a row a writer may fail before it gives up the role (a timeout: one)."""
+_REST_LEASES = 3
+"""Leases a writer that gave up the role waits before standing again."""
+_WARN_EVERY_S = 10.0
 
 
 class SharedWrites:
     """The shared write queue of one Gateway: its writer candidate, heartbeat and listener.
 
-    ``mode`` is ``"auto"``, ``"on"`` or ``"off"``. ``enqueue`` queues the rows of
-    won flights; :attr:`active` says whether claims should use it now.
+    ``mode`` is ``"auto"``, ``"on"`` or ``"off"``; ``sink`` names the sink's
+    identity digest (:func:`dedup._shared_wire.sink_id`). ``enqueue`` queues the
+    rows of won flights; :attr:`active` says whether claims should use it now.
     """
 
     def __init__(
@@ -87,10 +159,12 @@ class SharedWrites:
         mode: str,
         client: Redis,
         namespace: str,
+        wire: Wire,
         claims: Claims,
         sink: BatchWriter,
         flights: FlightTable,
         waits: WaitQueue,
+        requeue: Callable[[list[Flight]], None],
         stats: Stats,
         redis_failed: Callable[[BaseException], object],
         usable: Callable[[], bool],
@@ -99,14 +173,18 @@ class SharedWrites:
         linger_s: float,
         lease_s: float,
         write_timeout_s: float,
+        write_budget_s: float,
+        queue_max: int,
     ) -> None:
         self._loop = loop
         self._mode = mode
         self._client = client
+        self._wire = wire
         self._claims = claims
         self._sink = sink
         self._flights = flights
         self._waits = waits
+        self._requeue = requeue
         self._stats = stats
         self._redis_failed = redis_failed
         self._usable = usable
@@ -122,18 +200,34 @@ class SharedWrites:
         self._writing = 0
         self._popping = False
         self._lease_s = lease_s
+        self._lease_ms = max(1, int(lease_s * 1000))
+        self._writer_lease_s = max(1.0, lease_s)
+        # The heartbeat outlives the writer lease: when a writer dies, the others still
+        # count it (and so stand for writer) until its lease has passed to one of them.
+        self._heartbeat_ttl_ms = max(3500, int(self._writer_lease_s * 1000) + 2500)
         self._queue_ttl_ms = max(1000, int(lease_s * 2000))
+        self._queue_max = queue_max
         self._write_timeout_s = write_timeout_s
-        prefix = namespace + ":{w}:"  # one hash tag: every shared key in one slot
+        self._write_budget_s = write_budget_s
+        prefix = f"{namespace}:{{w}}:{wire.sink}:"  # one hash tag: every shared key in one slot
         self._queue_key = (prefix + "queue").encode()
         self._fleet_key = (prefix + "fleet").encode()
         self._writer_key = prefix + "writer"
         self._channels = prefix + "done:"
         self.gateway_id = secrets.token_hex(8)
         self._channel = self._channels + self.gateway_id
+        self._nonces = itertools.count(1)
+        # Rows this gateway queued and still waits for, by key: the flight and its nonce.
+        self._pending: dict[bytes, tuple[Flight, int]] = {}
         self._listening = False
         self._fleet = 1
         self._stopping = False
+        self._failures = 0
+        self._resign = False
+        self._rest_until = 0.0
+        self._abandoned: set[asyncio.Future[Any]] = set()
+        self._warned_at = -_WARN_EVERY_S
+        self._unwarned = 0
         self.writer = False
         """True while this gateway holds the writer lease."""
 
@@ -145,17 +239,18 @@ class SharedWrites:
         return self._mode == "on" or self._fleet > 1
 
     def start(self) -> None:
-        """Start listening, beating and standing for writer (tasks of the engine)."""
+        """Start listening, beating, renewing queued rows and standing for writer."""
         if self._mode == "off":
             return
         self._spawn(self._listen())
         self._spawn(self._beat())
+        self._spawn(self._renew())
         self._spawn(self._stand())
 
     async def stop(self) -> None:
         """Stop popping, let the statements in flight finish (bounded), leave the fleet;
-        the engine then cancels the tasks. A writer that stops mid-statement would leave
-        its rows to their claimants, a lease later."""
+        the engine then cancels the tasks. Rows a stopping writer popped but did not
+        write are answered ``r``: their claimants write them."""
         self._stopping = True
         if self._mode == "off":
             return
@@ -167,59 +262,87 @@ class SharedWrites:
 
     # ------------------------------------------------------------- claimant side
 
-    async def enqueue(self, won: list[Flight]) -> None:
-        """Queue the rows of ``won`` (leases held) for the writer, then wait for its word.
+    async def enqueue(self, won: list[Flight]) -> list[Flight]:
+        """Queue the rows of ``won`` (leases held) for the writer, then wait for its word;
+        returns those to write here instead (too close to their deadline, or the queue
+        is full).
 
-        If no word comes before the lease runs out, each is claimed again (the
-        lease is ours, so it is extended) and queued again.
+        Each queued row is claimed again (the lease is ours, so it is extended) and
+        written here if no word comes within a lease, or by the time its caller's
+        ``wait_timeout_s`` leaves just enough to write it.
         """
-        gw = self.gateway_id
-        rows = [
-            orjson.dumps([gw, f.key.hex(), f.kind, f.digest.hex(), f.value, f.payload_json])
-            for f in won
-        ]
-        self._stats.redis_round_trips += 1
-        async with self._client.pipeline(transaction=False) as pipe:
-            pipe.rpush(self._queue_key, *rows)
-            # The rows carry values in clear: none outlives its use. A row older than a
-            # lease is written by its claimant anyway, so the queue of a fleet that died
-            # vanishes two leases after its last push.
-            pipe.pexpire(self._queue_key, self._queue_ttl_ms)
-            await pipe.execute()
-        self._stats.shared_rows_queued += len(rows)
-        due = self._loop.time() + self._lease_s + _RECHECK_MARGIN_S
-        recheck = self._waits.recheck_at
+        now = self._loop.time()
+        budget = self._write_budget_s
+        latest = now + self._lease_s
+        here: list[Flight] = []
+        queued: list[Flight] = []
         for f in won:
-            recheck(f, due)
+            # Queue only a row whose caller can still wait for the writer a while and
+            # then, with no word, have it written here before its deadline.
+            (queued if f.deadline - budget > now + _IDLE_S else here).append(f)
+        if not queued:
+            return here
+        gw, token, row = self.gateway_id, self._claims.token, self._wire.row
+        nonces = [next(self._nonces) for _ in queued]
+        rows = [
+            row(gw, n, token, f.key, f.kind, f.value, f.payload_json)
+            for f, n in zip(queued, nonces, strict=True)
+        ]
+        # The rows carry values in clear: none outlives its use. A row older than a
+        # lease is written by its claimant anyway, so the queue of a fleet that died
+        # vanishes two leases after its last push.
+        added, trips = await _ENQUEUE(
+            self._client, [self._queue_key], [self._queue_max, self._queue_ttl_ms, *rows]
+        )
+        self._stats.redis_round_trips += trips
+        if not added:  # past the cap: the writer is behind, write these here
+            self._stats.shared_queue_full += len(queued)
+            return here + queued
+        self._stats.shared_rows_queued += len(rows)
+        pending, recheck = self._pending, self._waits.recheck_at
+        for f, n in zip(queued, nonces, strict=True):
+            pending[f.key] = (f, n)
+            recheck(f, min(latest, f.deadline - budget))
+        return here
+
+    def take_back(self, f: Flight) -> bool:
+        """``f``'s row, queued once, was claimed again (no word in time, or ``r``): True
+        if it is to be written here now, False if that was decided already."""
+        entry = self._pending.get(f.key)
+        if entry is None or entry[0] is not f:
+            return False
+        del self._pending[f.key]
+        self._stats.shared_rows_returned += 1
+        return True
 
     def _answer(self, message: bytes) -> None:
         """The writer's word on some of our rows: answer their callers."""
-        word: dict[str, Any] = orjson.loads(message)
-        inflight, resolve = self._flights.inflight, self._flights.resolve
-        for source, field in (("write", "i"), ("db", "e")):
-            for key_hex in word.get(field, ()):
-                f = inflight.get(bytes.fromhex(key_hex))
-                if f is not None and not f.done:
-                    if source == "write":
-                        self._stats.write += 1
-                    else:
-                        self._stats.db += 1
-                    resolve(f, source)  # type: ignore[arg-type]
-        failed = [bytes.fromhex(k) for k in word.get("f", ())]
-        if failed:
-            self._spawn(self._fail(failed, str(word.get("m", "failed"))))
-
-    async def _fail(self, keys: list[bytes], failure: str) -> None:
-        """The writer could not write our rows: release the leases, then fail the callers."""
         try:
-            await self._claims.abort(keys)
-        except (RedisError, OSError) as exc:
-            self._redis_failed(exc)
-        message = f"the database write {failure}"
-        for key in keys:
-            f = self._flights.inflight.get(key)
-            if f is not None and not f.done:
-                self._flights.fail(f, lambda: Unavailable(message, component="database"))
+            claims = self._wire.read_answer(message, self.gateway_id)
+        except BadMessage as exc:
+            self._bad(str(exc))
+            return
+        pending, resolve, stats = self._pending, self._flights.resolve, self._stats
+        back: list[Flight] = []
+        for letter, key, nonce in claims:
+            entry = pending.get(key)
+            if entry is None or entry[1] != nonce:
+                continue  # a stale word, or a claim this gateway does not wait for
+            f = entry[0]
+            if f.done:
+                del pending[key]
+            elif letter == "i":
+                del pending[key]
+                stats.write += 1
+                resolve(f, "write")
+            elif letter == "e":
+                del pending[key]
+                stats.db += 1
+                resolve(f, "db")
+            else:  # "r": the writer did not write it; claim it again and write it here
+                back.append(f)
+        if back:
+            self._requeue(back)
 
     async def _listen(self) -> None:
         """Receive the writer's words on this gateway's channel; resubscribe after errors."""
@@ -243,15 +366,35 @@ class SharedWrites:
                 self._listening = False
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
 
+    async def _renew(self) -> None:
+        """Renew the leases of the rows this gateway queued, a third of a lease apart,
+        so that no other gateway claims a value whose row still waits for the writer."""
+        while not self._stopping:
+            await asyncio.sleep(self._lease_s / 3)
+            pending = self._pending
+            for key in [k for k, (f, _) in pending.items() if f.done]:
+                del pending[key]
+            if not pending or not self._usable():
+                continue
+            keys = list(pending)
+            try:
+                for i in range(0, len(keys), 1000):
+                    _, trips = await _RENEW(
+                        self._client, keys[i : i + 1000], [self._claims.token, self._lease_ms]
+                    )
+                    self._stats.redis_round_trips += trips
+            except (RedisError, OSError) as exc:
+                self._redis_failed(exc)
+
     async def _beat(self) -> None:
-        """Count the live gateways of the namespace, once a second."""
+        """Count the live gateways of this sink, once a second."""
         while not self._stopping:
             if not self._usable():
                 await asyncio.sleep(_IDLE_S)
                 continue
             try:
                 fleet, trips = await _HEARTBEAT(
-                    self._client, [self._fleet_key], [self.gateway_id, _HEARTBEAT_TTL_MS]
+                    self._client, [self._fleet_key], [self.gateway_id, self._heartbeat_ttl_ms]
                 )
                 self._stats.redis_round_trips += trips
                 self._fleet = int(fleet)
@@ -259,20 +402,38 @@ class SharedWrites:
                 self._redis_failed(exc)
             await asyncio.sleep(_HEARTBEAT_S)
 
+    def _bad(self, reason: str) -> None:
+        """A message that cannot be used: count it, and log at most once per interval."""
+        self._stats.shared_bad_messages += 1
+        self._unwarned += 1
+        now = self._loop.time()
+        if now - self._warned_at >= _WARN_EVERY_S:
+            log.warning(
+                "shared writes: skipped %d unusable message(s) in Redis; the last: %s",
+                self._unwarned,
+                reason,
+            )
+            self._warned_at, self._unwarned = now, 0
+
     # ------------------------------------------------------------- writer side
+
+    def _may_stand(self) -> bool:
+        # A writer that gave up rests, and never stands while a statement it abandoned
+        # (a sink ignoring cancellation) still runs.
+        return self.active and self._loop.time() >= self._rest_until and not self._abandoned
 
     async def _stand(self) -> None:
         """Stand for writer: take the writer lease when free, write while it is held."""
         lease = Lock(
             self._client,
             self._writer_key,
-            timeout=max(1.0, self._lease_s),
+            timeout=self._writer_lease_s,
             blocking=False,
             watchdog=True,
             release_signal=False,
         )
         while not self._stopping:
-            if not self.active:
+            if not self._may_stand():
                 await asyncio.sleep(_IDLE_S)
                 continue
             try:
@@ -284,33 +445,54 @@ class SharedWrites:
                 await asyncio.sleep(self._lease_s / 3)
                 continue
             self.writer = True
+            self._resign = False
+            self._failures = 0
             log.info("shared writes: this gateway writes for the fleet (fence %s)", lease.fence)
             try:
-                while not lease.lost.is_set() and not self._stopping and self._usable():
-                    await self._statements.acquire()  # a slot, before popping rows for it
-                    self._popping = True
-                    try:
-                        rows = await self._pop()
-                    except BaseException:
-                        self._statements.release()
-                        raise
-                    finally:
-                        self._popping = False
-                    if rows:
-                        self._writing += 1  # now, so that stop() waits for it
-                        self._spawn(self._write_in_slot(rows))
-                    else:
-                        self._statements.release()
+                await self._drain(lease)
             except (RedisError, OSError) as exc:
                 self._redis_failed(exc)
                 await asyncio.sleep(0.2)
             finally:
                 self.writer = False
+                if self._resign:
+                    self._rest_until = self._loop.time() + _REST_LEASES * self._lease_s
+                    log.warning(
+                        "shared writes: this gateway's statements fail, so it gives up "
+                        "writing for the fleet; the others write their own rows or elect "
+                        "another writer"
+                    )
                 if not lease.lost.is_set():
                     try:
                         await asyncio.wait_for(lease.release(), 1)
                     except Exception:  # the lease expires on its own
                         log.debug("could not release the writer lease", exc_info=True)
+
+    async def _drain(self, lease: Lock) -> None:
+        """Pop and write while the lease is held; a fleet of one drains what is left."""
+        while (
+            not lease.lost.is_set()
+            and not self._stopping
+            and not self._resign
+            and self._usable()
+            and not self._abandoned
+        ):
+            await self._statements.acquire()  # a slot, before popping rows for it
+            self._popping = True
+            try:
+                rows = await self._pop()
+            except BaseException:
+                self._statements.release()
+                raise
+            finally:
+                self._popping = False
+            if rows:
+                self._writing += 1  # now, so that stop() waits for it
+                self._spawn(self._write_in_slot(rows))
+            else:
+                self._statements.release()
+                if not self.active:
+                    return  # nothing left, and no fleet to write for
 
     async def _write_in_slot(self, rows: list[bytes]) -> None:
         try:
@@ -323,66 +505,112 @@ class SharedWrites:
 
     async def _pop(self) -> list[bytes]:
         """One statement's worth of queued rows: wait for some; while another statement
-        is in flight, top up every ``linger_s`` until half full or that one ends."""
-        got: Any = await self._client.blmpop(
-            _POP_BLOCK_S, 1, self._queue_key.decode(), direction="LEFT", count=self._batch_rows
-        )
-        self._stats.redis_round_trips += 1
-        if not got:
-            return []
-        rows: list[bytes] = list(got[1])
-        while self._writing and len(rows) < self._fill:
-            # Let the statement fill: the fleet's winners keep arriving meanwhile.
-            await asyncio.sleep(self._linger_s)
-            more: Any = await self._client.lpop(self._queue_key, self._batch_rows - len(rows))
-            self._stats.redis_round_trips += 1
-            if more:
-                rows.extend(more)
+        is in flight, top up every ``linger_s`` until half full or that one ends. Rows
+        once popped are kept whatever fails later: the statement writes them."""
+        rows: list[bytes] = await self._take(self._batch_rows)
+        try:
+            if not rows:
+                got: Any = await self._client.blpop([self._queue_key], timeout=_POP_BLOCK_S)
+                self._stats.redis_round_trips += 1
+                if not got:
+                    return []
+                rows = [got[1], *await self._take(self._batch_rows - 1)]
+            while self._writing and len(rows) < self._fill and not self._stopping:
+                # Let the statement fill: the fleet's winners keep arriving meanwhile.
+                await asyncio.sleep(self._linger_s)
+                rows.extend(await self._take(self._batch_rows - len(rows)))
+        except (RedisError, OSError) as exc:
+            if not rows:
+                raise
+            self._redis_failed(exc)
         return rows
 
+    async def _take(self, count: int) -> list[bytes]:
+        taken, trips = await _POP(self._client, [self._queue_key], [count])
+        self._stats.redis_round_trips += trips
+        return list(taken)
+
     async def _write(self, raw: list[bytes]) -> None:
-        """One sorted INSERT of the queued rows, the markers, then each claimant's word."""
-        by_key: dict[bytes, tuple[str, Row]] = {}
+        """Check the popped rows and their leases, write them in one sorted statement,
+        then each claimant's word, then the markers."""
+        words: dict[str, dict[str, list[Any]]] = {}
+
+        def word(gateway: str, letter: str, nonce: int, key: bytes) -> None:
+            words.setdefault(gateway, {}).setdefault(letter, []).extend((key.hex(), nonce))
+
+        queued: list[QueuedRow] = []
         for item in raw:
-            gw, key_hex, kind, digest_hex, value, payload_json = orjson.loads(item)
-            key = bytes.fromhex(key_hex)
-            if key not in by_key:  # a row queued twice (re-claimed) is written once
-                by_key[key] = (gw, Row(kind, bytes.fromhex(digest_hex), value, payload_json))
-        entries = sorted(by_key.items(), key=lambda e: (e[1][1].kind, e[1][1].digest))
-        rows = [row for _, (_, row) in entries]
-        stats = self._stats
-        stats.db_statements += 1
-        stats.db_rows_sent += len(rows)
-        stats.shared_statements += 1
-        words: dict[str, dict[str, Any]] = {}
-        try:
-            inserted = set(await asyncio.wait_for(self._sink(rows), self._write_timeout_s))
-        except Exception as exc:
-            stats.db_errors += 1
-            failure = "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc!r}"
-            for key, (gw, _) in entries:
-                word = words.setdefault(gw, {"f": []})
-                word["f"].append(key.hex())
-            for word in words.values():
-                word["m"] = failure
+            try:
+                queued.append(self._wire.read_row(item))
+            except BadMessage as exc:
+                self._bad(str(exc))
+                if exc.reply_to is not None:  # a genuine claim this writer cannot write
+                    gateway, nonce, key = exc.reply_to
+                    word(gateway, "r", nonce, key)
+        if self._resign or self._stopping:  # given up meanwhile: hand them back
+            for q in queued:
+                word(q.gateway, "r", q.nonce, q.key)
             await self._publish(words)
             return
-        for key, (gw, row) in entries:
-            field = "i" if (row.kind, row.digest) in inserted else "e"
-            words.setdefault(gw, {"i": [], "e": []})[field].append(key.hex())
+        chosen: dict[bytes, QueuedRow] = {}
+        if queued:
+            held, trips = await _HOLD(
+                self._client, [q.key for q in queued], [self._lease_ms, *(q.token for q in queued)]
+            )
+            self._stats.redis_round_trips += trips
+            held = held.decode() if isinstance(held, bytes) else held
+            for q, ok in zip(queued, held, strict=True):
+                if ok == "1" and q.key not in chosen:
+                    chosen[q.key] = q
+                else:  # its lease is gone or another's, or a second row of one key
+                    word(q.gateway, "r", q.nonce, q.key)
+        entries = sorted(chosen.values(), key=lambda q: (q.row.kind, q.row.digest))
+        if not entries:
+            await self._publish(words)
+            return
+        stats = self._stats
+        stats.db_statements += 1
+        stats.db_rows_sent += len(entries)
+        stats.shared_statements += 1
+        try:
+            inserted = await write_rows(
+                self._sink, [q.row for q in entries], self._write_timeout_s, self._abandoned
+            )
+        except Exception as exc:
+            stats.db_errors += 1
+            self._failures += 1
+            if isinstance(exc, TimeoutError) or self._failures >= _MAX_FAILURES:
+                self._resign = True
+            # The reason stays in this gateway's log: other services' callers get only
+            # "write it yourself", never this database's error text.
+            log.warning(
+                "shared writes: a statement of %d rows failed (%s); their claimants write them",
+                len(entries),
+                type(exc).__name__,
+            )
+            for q in entries:
+                word(q.gateway, "r", q.nonce, q.key)
+            await self._publish(words)
+            return
+        self._failures = 0
+        for q in entries:
+            letter = "i" if (q.row.kind, q.row.digest) in inserted else "e"
+            word(q.gateway, letter, q.nonce, q.key)
         # Callers are answered once the rows are committed; the markers follow.
         await self._publish(words)
         try:
-            await self._claims.commit([key for key, _ in entries])
+            await self._claims.commit([q.key for q in entries])
         except (RedisError, OSError) as exc:
             stats.redis_errors += 1
             self._redis_failed(exc)
             log.warning("could not mark %d saved values in Redis: %s", len(entries), exc)
 
-    async def _publish(self, words: dict[str, dict[str, Any]]) -> None:
-        prefix = self._channels
+    async def _publish(self, words: dict[str, dict[str, list[Any]]]) -> None:
+        if not words:
+            return
+        prefix, answer = self._channels, self._wire.answer
         async with self._client.pipeline(transaction=False) as pipe:
             for gw, word in words.items():
-                pipe.publish(prefix + gw, orjson.dumps(word))
+                pipe.publish(prefix + gw, answer(gw, word))
             await pipe.execute()
         self._stats.redis_round_trips += 1

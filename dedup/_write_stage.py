@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -25,9 +26,44 @@ from dedup.errors import Unavailable
 from dedup.metrics import Stats
 from dedup.types import BatchWriter, Row
 
-__all__ = ["WriteStage"]
+__all__ = ["WriteStage", "write_rows"]
 
 log = logging.getLogger("dedup")
+
+
+async def write_rows(
+    sink: BatchWriter,
+    rows: list[Row],
+    timeout_s: float,
+    abandoned: set[asyncio.Future[Any]] | None = None,
+) -> set[tuple[str, bytes]]:
+    """One sink call, bounded by ``timeout_s`` (:class:`TimeoutError` past it): the keys
+    of the rows it inserted.
+
+    Unlike :func:`asyncio.wait_for`, which waits for the cancelled call to end, a sink
+    that ignores cancellation is left to end on its own: a hung sink must not hold its
+    caller past the bound. ``abandoned`` collects such calls while they still run.
+    """
+    call = asyncio.ensure_future(sink(rows))
+    try:
+        done, _ = await asyncio.wait((call,), timeout=timeout_s)
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+    if not done:
+        call.cancel()
+        call.add_done_callback(_retrieve)
+        if abandoned is not None:
+            abandoned.add(call)
+            call.add_done_callback(abandoned.discard)
+        raise TimeoutError(f"the statement took more than {timeout_s} s")
+    return set(call.result())
+
+
+def _retrieve(call: asyncio.Future[Any]) -> None:
+    """Read an abandoned call's outcome, so that asyncio does not log it as never read."""
+    if not call.cancelled():
+        call.exception()
 
 
 class WriteStage:
@@ -114,7 +150,7 @@ class WriteStage:
         stats.db_statements += 1
         stats.db_rows_sent += len(rows)
         try:
-            inserted = set(await asyncio.wait_for(self._sink(rows), self._write_timeout_s))
+            inserted = await write_rows(self._sink, rows, self._write_timeout_s)
         except Exception as exc:
             stats.db_errors += 1
             return "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc!r}"

@@ -281,6 +281,11 @@ class Claims:
         self._slot_calls = asyncio.Semaphore(max_parallel)
 
     @property
+    def token(self) -> str:
+        """This Claims' lease token (what its leases hold while they last)."""
+        return self._token
+
+    @property
     def markers(self) -> MarkerLayout:
         """The compact layout's bucket sizing (bits kept, field bytes)."""
         return self._markers

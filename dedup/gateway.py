@@ -101,6 +101,8 @@ class Gateway:
         degraded_queue_timeout_s: float = 1.0,
         shared_writes: str = "auto",
         shared_linger_ms: float = 2.0,
+        shared_queue_max: int = 10_000,
+        shared_secret: str | None = None,
         marker_layout: str = "compact",
         marker_buckets: int = 65536,
         marker_generations: int = 2,
@@ -112,7 +114,7 @@ class Gateway:
         self.options = options = GatewayOptions(**chosen)
         """The checked options (:class:`dedup.options.GatewayOptions`)."""
         try:
-            self._keys = KeySpace(namespace, cluster_shards=options.shards)
+            self._keys = KeySpace(namespace, cluster_shards=options.shards, secret=options.secret)
             self._limits = Limits(
                 max_value_bytes=max_value_bytes, max_payload_bytes=max_payload_bytes
             )

@@ -27,6 +27,7 @@ __all__ = [
     "KeySpace",
     "Limits",
     "MarkerLayout",
+    "derive_key",
     "digest",
     "encode_payload",
     "key_head",
@@ -182,11 +183,15 @@ class KeySpace:
     Layout: ``<namespace>:`` + optional ``{shard}`` hash tag + 8-byte kind digest
     + 16-byte value digest. The hash tag (``cluster_shards > 0``) groups keys into
     a fixed number of Redis Cluster slots so that one script call serves many keys.
+
+    With a ``secret`` both digests in the key are keyed by it (BLAKE2b's keyed mode),
+    so that someone who can read Redis but lacks the secret cannot test whether a
+    guessed value was saved by computing its key; the database keeps the plain digest.
     """
 
-    __slots__ = ("_kinds", "cluster_shards", "prefix")
+    __slots__ = ("_key", "_kinds", "cluster_shards", "prefix")
 
-    def __init__(self, namespace: str, *, cluster_shards: int = 0) -> None:
+    def __init__(self, namespace: str, *, cluster_shards: int = 0, secret: bytes = b"") -> None:
         if not namespace or not namespace.isprintable() or any(c in namespace for c in "{}*?[]"):
             raise ValueError("namespace must be non-empty printable text without {}*?[] characters")
         if cluster_shards < 0:
@@ -194,14 +199,21 @@ class KeySpace:
         self.prefix = namespace.encode() + b":"
         self.cluster_shards = cluster_shards
         self._kinds: dict[str, bytes] = {}
+        self._key = derive_key(secret, b"keys") if secret else b""
 
     def key(self, kind: str, value_digest: bytes) -> bytes:
         """The Redis key of one value of one kind."""
         kind_part = self._kinds.get(kind)
         if kind_part is None:
-            kind_part = hashlib.blake2b(kind.encode(), digest_size=_KIND_DIGEST_BYTES).digest()
+            kind_part = hashlib.blake2b(
+                kind.encode(), digest_size=_KIND_DIGEST_BYTES, key=self._key
+            ).digest()
             if len(self._kinds) < 4096:  # kinds are few; bound the cache anyway
                 self._kinds[kind] = kind_part
+        if self._key:
+            value_digest = hashlib.blake2b(
+                value_digest, digest_size=DIGEST_BYTES, key=self._key
+            ).digest()
         if self.cluster_shards:
             shard = b"{%d}" % (value_digest[0] % self.cluster_shards)
             return self.prefix + shard + kind_part + value_digest
@@ -211,6 +223,12 @@ class KeySpace:
     def match_pattern(self) -> bytes:
         """A SCAN pattern matching every key of this namespace (leases, markers, buckets)."""
         return self.prefix + b"*"
+
+
+def derive_key(secret: bytes, purpose: bytes) -> bytes:
+    """A 32-byte key for one ``purpose`` from the user's ``shared_secret``: one secret
+    serves key names and message signatures without the two uses sharing a key."""
+    return hashlib.blake2b(secret, digest_size=32, person=b"dedup:" + purpose).digest()
 
 
 def key_head(key: bytes) -> bytes:

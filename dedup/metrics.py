@@ -27,8 +27,12 @@ class Stats:
     failed) and ``degraded_answers`` (values answered by a degraded write, with
     Redis skipped; they are also counted in ``write`` or ``db``).
     Shared writes: ``shared_rows_queued`` (winners' rows this gateway queued for
-    the fleet's writer) and ``shared_statements`` (statements it wrote as that
-    writer, also counted in ``db_statements``).
+    the fleet's writer), ``shared_statements`` (statements it wrote as that
+    writer, also counted in ``db_statements``), ``shared_rows_returned`` (queued rows
+    it took back and wrote itself: no word in time, or the writer answered "write it
+    yourself"), ``shared_queue_full`` (rows it wrote itself because the queue was at
+    ``shared_queue_max``) and ``shared_bad_messages`` (queued rows and answers it
+    skipped as malformed, forged or meant for another sink).
     """
 
     local: int = 0
@@ -52,6 +56,9 @@ class Stats:
     degraded_answers: int = 0
     shared_rows_queued: int = 0
     shared_statements: int = 0
+    shared_rows_returned: int = 0
+    shared_queue_full: int = 0
+    shared_bad_messages: int = 0
 
     @property
     def answers(self) -> int:

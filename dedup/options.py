@@ -9,7 +9,7 @@ before any I/O.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +17,14 @@ from dedup.errors import ConfigError
 from dedup.types import BatchWriter
 from dedup.urls import CLUSTER_SCHEMES, DATABASE_SCHEMES, REDIS_SCHEMES, check_url_password
 
-__all__ = ["CLUSTER_DEFAULT_SHARDS", "SHARED_WRITES", "GatewayOptions"]
+__all__ = ["CLUSTER_DEFAULT_SHARDS", "MIN_SECRET_CHARS", "SHARED_WRITES", "GatewayOptions"]
 
 SHARED_WRITES = ("auto", "on", "off")
 """Values of ``shared_writes``: across processes while several gateways are alive
 (``auto``), always (``on``), or never (``off``: each process writes its own winners)."""
+
+MIN_SECRET_CHARS = 16
+"""The shortest ``shared_secret`` accepted: it keys signatures and key names."""
 
 CLUSTER_DEFAULT_SHARDS = 64
 """Hash-tag shards on a cluster when ``cluster_shards`` is 0: without tags a batch
@@ -36,6 +39,7 @@ _AT_LEAST_ONE = (
     "breaker_failures",
     "degraded_max_statements",
     "degraded_max_queue",
+    "shared_queue_max",
 )
 # Options that must be finite numbers above 0.
 _POSITIVE = ("wait_timeout_s", "redis_timeout_s", "breaker_cooldown_s", "degraded_queue_timeout_s")
@@ -78,6 +82,8 @@ class GatewayOptions:
     degraded_queue_timeout_s: float = 1.0
     shared_writes: str = "auto"
     shared_linger_ms: float = 2.0
+    shared_queue_max: int = 10_000
+    shared_secret: str | None = field(default=None, repr=False)
     marker_layout: str = "compact"
     marker_buckets: int = 65536
     marker_generations: int = 2
@@ -127,6 +133,13 @@ class GatewayOptions:
         ):
             raise ConfigError(
                 f"shared_linger_ms must be a number from 0 to 1000, got {self.shared_linger_ms!r}"
+            )
+        if self.shared_secret is not None and (
+            not isinstance(self.shared_secret, str) or len(self.shared_secret) < MIN_SECRET_CHARS
+        ):
+            # The message never holds the secret, only what is wrong with it.
+            raise ConfigError(
+                f"shared_secret must be text of at least {MIN_SECRET_CHARS} characters, or None"
             )
         if self.marker_layout not in ("compact", "keys"):
             raise ConfigError("marker_layout must be compact or keys")
@@ -193,14 +206,22 @@ class GatewayOptions:
     @property
     def redis_connections(self) -> int:
         """The Redis pool's size: one per claim and write batch in flight, plus two
-        (the probe, and a commit riding beside a claim), plus two for shared writes
-        (the listener's subscription and the writer's blocking pop)."""
-        return self.max_claim_batches + self.max_write_batches + 4
+        (the probe, and a commit riding beside a claim), plus what shared writes hold
+        at once: the listener's subscription, the writer's blocking pop, a check, a
+        publish or a commit for each of its two statements, the heartbeat, the writer
+        lease's watchdog and the renewal of the rows this gateway queued."""
+        shared = 0 if self.shared_mode == "off" else 7
+        return self.max_claim_batches + self.max_write_batches + 2 + shared
 
     @property
     def shared_mode(self) -> str:
         """``shared_writes`` as it applies: ``off`` on a cluster (the queue is one key)."""
         return "off" if self.cluster else self.shared_writes
+
+    @property
+    def secret(self) -> bytes:
+        """``shared_secret`` as bytes (empty without one)."""
+        return b"" if self.shared_secret is None else self.shared_secret.encode()
 
     @property
     def retention_ms(self) -> int:

@@ -79,6 +79,8 @@ class Settings:
     degraded_queue_timeout_s: float = 1.0
     shared_writes: str = "auto"
     shared_linger_ms: float = 2.0
+    shared_queue_max: int = 10_000
+    shared_secret: str = field(default="", repr=False)
     marker_layout: str = "compact"
     marker_buckets: int = 65536
     marker_generations: int = 2
@@ -102,6 +104,7 @@ class Settings:
         kwargs["database_url"] = self.database_url or None
         kwargs["retention_s"] = self.retention_s or None
         kwargs["write_timeout_ms"] = self.write_timeout_ms or None
+        kwargs["shared_secret"] = self.shared_secret or None
         kwargs["migrate"] = _MIGRATE[self.migrate]
         return kwargs
 

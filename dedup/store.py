@@ -20,17 +20,23 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from dedup.errors import ConfigError
 from dedup.types import Row
-from dedup.urls import DATABASE_SCHEMES
+from dedup.urls import DATABASE_SCHEMES, database_identity
 
 __all__ = [
     "DATABASE_SCHEMES",
+    "TABLE",
     "DefaultSink",
     "PostgresSink",
     "SqliteSink",
+    "default_identity",
     "keep_session",
     "open_sink",
     "pg_insert",
+    "sink_identity",
 ]
+
+TABLE = "dedup_items"
+"""The default sinks' table (created by the migrations)."""
 
 
 PG_INSERT = """
@@ -72,6 +78,9 @@ def _sqlite_insert_sql(n: int) -> str:
 
 class DefaultSink(Protocol):
     """What the Gateway needs of a default sink: the batch writer plus lifecycle and counting."""
+
+    identity: str
+    """Which database and table this sink writes (see :func:`sink_identity`)."""
 
     async def open(self) -> None:
         """Connect, and check that the schema is there."""
@@ -126,6 +135,9 @@ class PostgresSink:
 
     def __init__(self, url: str, *, pool_size: int, statement_timeout_ms: int) -> None:
         self._url = url
+        self.identity = default_identity(url)
+        """Which database and table this sink writes: gateways share a writer only
+        when these are equal (its URL without the password, see :func:`sink_identity`)."""
         self._pool_size = pool_size
         self._timeout_ms = statement_timeout_ms
         self._pool: asyncpg.Pool | None = None
@@ -193,6 +205,8 @@ class SqliteSink:
 
     def __init__(self, url: str, *, statement_timeout_ms: int) -> None:
         self._url = url.replace("sqlite:///", "sqlite+aiosqlite:///", 1)
+        self.identity = default_identity(url)
+        """Which file and table this sink writes (see :func:`sink_identity`)."""
         self._timeout_s = statement_timeout_ms / 1000
         self._engine: AsyncEngine | None = None
 
@@ -275,3 +289,24 @@ def open_sink(database_url: str, *, pool_size: int, statement_timeout_ms: int) -
     if database_url.startswith("sqlite:///"):
         return SqliteSink(database_url, statement_timeout_ms=statement_timeout_ms)
     raise ConfigError(f"database_url must start with one of {', '.join(DATABASE_SCHEMES)}")
+
+
+def default_identity(database_url: str) -> str:
+    """The identity of the default sink of ``database_url``: the database it reaches
+    (:func:`dedup.urls.database_identity`, no password) and the table."""
+    return f"{database_identity(database_url)}#{TABLE}"
+
+
+def sink_identity(sink: object) -> str | None:
+    """The identity a sink declares (its ``identity`` attribute: non-empty text naming
+    the database and table it writes), or None when it declares none.
+
+    Gateways write each other's rows (shared writes) only when their sinks declare
+    the same identity; a sink that declares none writes only its own gateway's rows.
+    """
+    identity = getattr(sink, "identity", None)
+    if identity is None:
+        return None
+    if not isinstance(identity, str) or not identity:
+        raise ConfigError("a sink's identity must be non-empty text naming its database and table")
+    return identity

@@ -2,13 +2,17 @@
 
 :func:`redact` hides passwords in messages and logs; :func:`check_url_password`
 refuses a URL whose password would split it in the wrong places; :func:`scrub`
-hides the pieces of such a password that a parser's complaint may quote.
+hides the pieces of such a password that a parser's complaint may quote;
+:func:`database_identity` names the database a URL reaches, without its password.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 from pathlib import Path
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from dedup.errors import ConfigError
 
@@ -17,6 +21,7 @@ __all__ = [
     "DATABASE_SCHEMES",
     "REDIS_SCHEMES",
     "check_url_password",
+    "database_identity",
     "embedded_sqlite_url",
     "redact",
     "scrub",
@@ -75,3 +80,36 @@ def scrub(message: str, url: str) -> str:
 def embedded_sqlite_url(data_dir: str | Path) -> str:
     """The SQLite URL of the embedded default database under ``data_dir``."""
     return f"sqlite:///{Path(data_dir).resolve() / 'dedup.sqlite3'}"
+
+
+# Hosts that name this machine: the same URL names another database on another machine.
+_LOCAL_HOSTS = ("", "localhost", "127.0.0.1", "::1", "[::1]")
+
+
+def database_identity(url: str) -> str:
+    """Which database ``url`` reaches, as text without its password: the scheme's family,
+    the user, host, port, database and the query's options but passwords, each
+    normalised (``postgres://`` is ``postgresql://``, the default port written out).
+
+    Gateways share a writer only when their sinks' identities are equal, so two URLs
+    that could reach different databases must never give one identity. A host on this
+    machine (loopback, a unix socket) and a SQLite file therefore carry the machine's
+    name: ``postgresql://localhost/app`` on two machines names two databases.
+    """
+    if url.startswith("sqlite:///"):
+        path = os.path.realpath(unquote(url[len("sqlite:///") :].split("?", 1)[0]))
+        return f"sqlite://{socket.gethostname()}{path}"
+    parts = urlsplit(url)
+    query = sorted(
+        (name, value)
+        for name, value in parse_qsl(parts.query, keep_blank_values=True)
+        if "password" not in name.lower()
+    )
+    host = (parts.hostname or "").lower()
+    socket_dir = dict(query).get("host", "")
+    if host in _LOCAL_HOSTS or socket_dir.startswith("/"):
+        host = f"{host}@{socket.gethostname()}"
+    user = unquote(parts.username or "")
+    database = unquote(parts.path.lstrip("/"))
+    options = "&".join(f"{name}={value}" for name, value in query)
+    return f"postgresql://{user}@{host}:{parts.port or 5432}/{database}?{options}"

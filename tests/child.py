@@ -16,7 +16,8 @@ plus per mode:
 - ``hold``: ``items`` (distinct pairs). The Gateway's ``sink`` prints ``HOLDING <rows>``
   and then never returns, even when the Gateway's write timeout cancels it (a hung
   writer), so the leases of its claim batch stay taken until they expire. The
-  parent SIGKILLs the child.
+  parent SIGKILLs the child. ``identity`` (optional) is the sink's declared identity,
+  so that it shares writes with gateways whose sinks declare the same.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ async def _hold(job: dict[str, Any]) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.sleep(3600)
 
+    # The identity of the database the others write: shared writes pair only gateways
+    # whose sinks say they write the same table.
+    hung_writer.identity = job.get("identity")  # type: ignore[attr-defined]
     options: dict[str, Any] = job.get("options", {})
     async with Gateway(job["redis_url"], sink=hung_writer, **options) as gw:
         await gw.save_many([(k, v) for k, v in job["items"]])

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from dedup import Gateway
+from dedup.store import default_identity
 from tests.servers import RedisServer
 from tests.test_faults import WAIT_S, Ledger, check_contract, loaded, table, until
 from tests.test_processes import Child
@@ -76,13 +77,14 @@ async def test_auto_shares_only_while_several_gateways_live(redis_url: str, pg_u
         await until("a fleet of one again", lambda: not _shared(alone).active, 10)
 
 
-def _hold_child(spawn: Callable[[dict[str, Any]], Child], redis_url: str) -> Child:
+def _hold_child(spawn: Callable[[dict[str, Any]], Child], redis_url: str, pg_url: str) -> Child:
     """A gateway whose sink hangs for good: as the fleet's writer it pops rows and never
     writes them (a hung writer); its own claim batch is what made it the writer."""
     child = spawn(
         {
             "mode": "hold",
             "redis_url": redis_url,
+            "identity": default_identity(pg_url),
             "items": [["held", f"h{i}"] for i in range(5)],
             "options": SHARED,
         }
@@ -97,7 +99,7 @@ async def test_hung_then_killed_writer_loses_nothing(
     spawn: Callable[[dict[str, Any]], Child],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    holder = _hold_child(spawn, redis_url)
+    holder = _hold_child(spawn, redis_url, pg_url)
     ledger = Ledger()
     async with Gateway(redis_url, pg_url, **SHARED) as gw:
         await until("listening", lambda: _shared(gw).active)
