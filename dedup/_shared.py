@@ -80,38 +80,42 @@ return redis.call('ZREM', KEYS[1], ARGV[1])
 """
 
 ENQUEUE = """
--- KEYS[1]: the write queue
--- ARGV[1]: the most rows it may hold; ARGV[2]: its expiry in ms; ARGV[3..]: the rows
--- Returns: 1 when the rows were added, 0 when they would pass the cap (none added)
+-- KEYS[1]: the write queue; KEYS[2]: the writer's term (set while a writer pops)
+-- ARGV[1]: the most rows the queue may hold; ARGV[2]: its expiry in ms; ARGV[3..]: rows
+-- Returns: {1 when the rows were added, 0 when they would pass the cap (none added),
+--   the writer's term or false}
 local n = #ARGV - 2
-if redis.call('LLEN', KEYS[1]) + n > tonumber(ARGV[1]) then return 0 end
+local term = redis.call('GET', KEYS[2])
+if redis.call('LLEN', KEYS[1]) + n > tonumber(ARGV[1]) then return {0, term} end
 for i = 3, #ARGV, 1000 do
   redis.call('RPUSH', KEYS[1], unpack(ARGV, i, math.min(i + 999, #ARGV)))
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
+return {1, term}
 """
 
 POP = """
--- KEYS[1]: the write queue; ARGV[1]: the most rows to take
--- Returns: up to ARGV[1] rows from its head, taken off it
+-- KEYS[1]: the write queue; KEYS[2]: the writer's term
+-- ARGV[1]: the most rows to take; ARGV[2]: this writer's term; ARGV[3]: its expiry in ms
+-- Returns: up to ARGV[1] rows from the queue's head, taken off it
+-- A writer names its term at every pop: claimants wait for it while the term lasts.
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 local rows = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
 if #rows > 0 then redis.call('LTRIM', KEYS[1], #rows, -1) end
 return rows
 """
 
 RENEW = """
--- KEYS: the lease keys of rows a claimant queued and still waits for
+-- KEYS[1]: the writer's term; KEYS[2..]: the lease keys of rows a claimant queued and
+--   still waits for
 -- ARGV[1]: the claimant's token; ARGV[2]: the lease in ms
--- Returns: how many it still held (each renewed for a lease)
-local held = 0
-for _, key in ipairs(KEYS) do
-  if redis.call('GET', key) == ARGV[1] then
-    redis.call('PEXPIRE', key, ARGV[2])
-    held = held + 1
+-- Returns: the writer's term or false (each lease still the claimant's is renewed)
+for i = 2, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[2])
   end
 end
-return held
+return redis.call('GET', KEYS[1])
 """
 
 HOLD = """
@@ -142,6 +146,19 @@ _MAX_FAILURES = 3
 _REST_LEASES = 3
 """Leases a writer that gave up the role waits before standing again."""
 _WARN_EVERY_S = 10.0
+
+
+class _Queued:
+    """A row this gateway queued and still waits for: its flight, the claim's nonce,
+    the writer's term when it was queued, and whether it is being claimed back."""
+
+    __slots__ = ("flight", "nonce", "returning", "term")
+
+    def __init__(self, flight: Flight, nonce: int, term: bytes | None) -> None:
+        self.flight = flight
+        self.nonce = nonce
+        self.term = term
+        self.returning = False
 
 
 class SharedWrites:
@@ -202,9 +219,10 @@ class SharedWrites:
         self._lease_s = lease_s
         self._lease_ms = max(1, int(lease_s * 1000))
         self._writer_lease_s = max(1.0, lease_s)
-        # The heartbeat outlives the writer lease: when a writer dies, the others still
-        # count it (and so stand for writer) until its lease has passed to one of them.
-        self._heartbeat_ttl_ms = max(3500, int(self._writer_lease_s * 1000) + 2500)
+        # The heartbeat outlives the writer lease by a lease: when a writer dies, the
+        # others still count it (and so stand for writer) until its lease has passed to
+        # one of them, which then drains the queue.
+        self._heartbeat_ttl_ms = max(3500, int(self._writer_lease_s * 2000))
         self._queue_ttl_ms = max(1000, int(lease_s * 2000))
         self._queue_max = queue_max
         self._write_timeout_s = write_timeout_s
@@ -213,12 +231,15 @@ class SharedWrites:
         self._queue_key = (prefix + "queue").encode()
         self._fleet_key = (prefix + "fleet").encode()
         self._writer_key = prefix + "writer"
+        self._term_key = (prefix + "term").encode()
         self._channels = prefix + "done:"
         self.gateway_id = secrets.token_hex(8)
         self._channel = self._channels + self.gateway_id
         self._nonces = itertools.count(1)
-        # Rows this gateway queued and still waits for, by key: the flight and its nonce.
-        self._pending: dict[bytes, tuple[Flight, int]] = {}
+        # Rows this gateway queued and still waits for, by key: the flight, its nonce and
+        # the writer's term when it was queued (the writer that should pop it).
+        self._pending: dict[bytes, _Queued] = {}
+        self._term = b""
         self._listening = False
         self._fleet = 1
         self._stopping = False
@@ -267,13 +288,14 @@ class SharedWrites:
         returns those to write here instead (too close to their deadline, or the queue
         is full).
 
-        Each queued row is claimed again (the lease is ours, so it is extended) and
-        written here if no word comes within a lease, or by the time its caller's
-        ``wait_timeout_s`` leaves just enough to write it.
+        A queued row waits while the writer that was popping when it was queued goes on
+        popping (its term lasts); its lease is renewed meanwhile. It is claimed again
+        (the lease is ours, so it is extended) and written here when that writer stops
+        or changes, when the writer answers ``r``, or when its caller's
+        ``wait_timeout_s`` leaves just enough time to write it.
         """
         now = self._loop.time()
         budget = self._write_budget_s
-        latest = now + self._lease_s
         here: list[Flight] = []
         queued: list[Flight] = []
         for f in won:
@@ -291,25 +313,29 @@ class SharedWrites:
         # The rows carry values in clear: none outlives its use. A row older than a
         # lease is written by its claimant anyway, so the queue of a fleet that died
         # vanishes two leases after its last push.
-        added, trips = await _ENQUEUE(
-            self._client, [self._queue_key], [self._queue_max, self._queue_ttl_ms, *rows]
+        (added, term), trips = await _ENQUEUE(
+            self._client,
+            [self._queue_key, self._term_key],
+            [self._queue_max, self._queue_ttl_ms, *rows],
         )
         self._stats.redis_round_trips += trips
         if not added:  # past the cap: the writer is behind, write these here
             self._stats.shared_queue_full += len(queued)
             return here + queued
         self._stats.shared_rows_queued += len(rows)
+        term = term or None
         pending, recheck = self._pending, self._waits.recheck_at
         for f, n in zip(queued, nonces, strict=True):
-            pending[f.key] = (f, n)
-            recheck(f, min(latest, f.deadline - budget))
+            pending[f.key] = _Queued(f, n, term)
+            # With no word by then (a lost answer), it is written here in time.
+            recheck(f, f.deadline - budget)
         return here
 
     def take_back(self, f: Flight) -> bool:
         """``f``'s row, queued once, was claimed again (no word in time, or ``r``): True
         if it is to be written here now, False if that was decided already."""
         entry = self._pending.get(f.key)
-        if entry is None or entry[0] is not f:
+        if entry is None or entry.flight is not f:
             return False
         del self._pending[f.key]
         self._stats.shared_rows_returned += 1
@@ -323,15 +349,16 @@ class SharedWrites:
             self._bad(str(exc))
             return
         pending, resolve, stats = self._pending, self._flights.resolve, self._stats
-        back: list[Flight] = []
+        back: list[_Queued] = []
         for letter, key, nonce in claims:
             entry = pending.get(key)
-            if entry is None or entry[1] != nonce:
+            if entry is None or entry.nonce != nonce:
                 continue  # a stale word, or a claim this gateway does not wait for
-            f = entry[0]
+            f = entry.flight
             if f.done:
                 del pending[key]
-            elif letter == "i":
+                continue
+            if letter == "i":
                 del pending[key]
                 stats.write += 1
                 resolve(f, "write")
@@ -340,9 +367,16 @@ class SharedWrites:
                 stats.db += 1
                 resolve(f, "db")
             else:  # "r": the writer did not write it; claim it again and write it here
-                back.append(f)
-        if back:
-            self._requeue(back)
+                back.append(entry)
+        self._return(back)
+
+    def _return(self, entries: list[_Queued]) -> None:
+        """Claim these rows again, to write them here (:meth:`take_back`), each once."""
+        flights = [e.flight for e in entries if not e.returning]
+        for e in entries:
+            e.returning = True
+        if flights:
+            self._requeue(flights)
 
     async def _listen(self) -> None:
         """Receive the writer's words on this gateway's channel; resubscribe after errors."""
@@ -367,24 +401,32 @@ class SharedWrites:
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def _renew(self) -> None:
-        """Renew the leases of the rows this gateway queued, a third of a lease apart,
-        so that no other gateway claims a value whose row still waits for the writer."""
+        """A third of a lease apart: renew the leases of the rows this gateway queued, so
+        that no other gateway claims a value whose row still waits for the writer, and
+        take back the rows whose writer has stopped popping or changed since."""
         while not self._stopping:
             await asyncio.sleep(self._lease_s / 3)
             pending = self._pending
-            for key in [k for k, (f, _) in pending.items() if f.done]:
+            for key in [k for k, e in pending.items() if e.flight.done]:
                 del pending[key]
             if not pending or not self._usable():
                 continue
             keys = list(pending)
+            term: Any = None
             try:
                 for i in range(0, len(keys), 1000):
-                    _, trips = await _RENEW(
-                        self._client, keys[i : i + 1000], [self._claims.token, self._lease_ms]
+                    term, trips = await _RENEW(
+                        self._client,
+                        [self._term_key, *keys[i : i + 1000]],
+                        [self._claims.token, self._lease_ms],
                     )
                     self._stats.redis_round_trips += trips
             except (RedisError, OSError) as exc:
                 self._redis_failed(exc)
+                continue
+            term = term or None
+            # A row the writer of its term may have popped and lost: write it here.
+            self._return([e for e in pending.values() if term is None or e.term != term])
 
     async def _beat(self) -> None:
         """Count the live gateways of this sink, once a second."""
@@ -445,6 +487,9 @@ class SharedWrites:
                 await asyncio.sleep(self._lease_s / 3)
                 continue
             self.writer = True
+            # A term of its own each time: claimants whose rows an earlier term may have
+            # popped (and lost) take them back when the term changes.
+            self._term = f"{self.gateway_id}:{lease.fence}".encode()
             self._resign = False
             self._failures = 0
             log.info("shared writes: this gateway writes for the fleet (fence %s)", lease.fence)
@@ -526,7 +571,11 @@ class SharedWrites:
         return rows
 
     async def _take(self, count: int) -> list[bytes]:
-        taken, trips = await _POP(self._client, [self._queue_key], [count])
+        taken, trips = await _POP(
+            self._client,
+            [self._queue_key, self._term_key],
+            [count, self._term, int(self._writer_lease_s * 1000)],
+        )
         self._stats.redis_round_trips += trips
         return list(taken)
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote
 
 import aiohttp
@@ -28,6 +28,7 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import make_mocked_request
 
 from dedup import ConfigError, Gateway, InvalidInput, Unavailable
+from dedup._shared_wire import sink_id
 from dedup.claims import Claims
 from dedup.keys import KeySpace, MarkerLayout, digest
 from dedup.metrics import Stats
@@ -527,6 +528,8 @@ async def test_shared_write_queue_holds_values_while_rows_wait(redis_url: str) -
         await release.wait()
         return [(r.kind, r.digest) for r in rows]
 
+    held.identity = "a test table"  # type: ignore[attr-defined]  # shared writes need one
+
     async def until(what: str, check: Any) -> None:
         for _ in range(500):
             if await check():
@@ -538,13 +541,19 @@ async def test_shared_write_queue_holds_values_while_rows_wait(redis_url: str) -
         return len(calls) >= n
 
     client = aioredis.Redis.from_url(redis_url)
-    queue_key, writer_key = b"dedup:{w}:queue", b"dedup:{w}:writer"
+    prefix = b"dedup:{w}:" + sink_id("a test table", b"").encode()
+    queue_key, writer_key = prefix + b":queue", prefix + b":writer"
     tasks: list[asyncio.Task[Any]] = []
     try:
         # One row per statement: the writer keeps two statements in flight, so with
         # both held in the sink a third row stays queued.
         async with Gateway(
-            redis_url, sink=held, shared_writes="on", max_batch=1, lease_ms=60_000
+            redis_url,
+            sink=held,
+            shared_writes="on",
+            max_batch=1,
+            lease_ms=60_000,
+            wait_timeout_s=120,  # time to wait for the writer, then write it here
         ) as gw:
 
             async def writer_stands() -> bool:
@@ -562,10 +571,10 @@ async def test_shared_write_queue_holds_values_while_rows_wait(redis_url: str) -
             await until("a row waiting in the queue", queued)
             entries = await client.lrange(queue_key, 0, -1)
             assert len(entries) == 1
-            entry = orjson.loads(entries[0])
-            # [gateway id, lease key hex, kind, digest hex, value, payload JSON]
-            assert entry[2] == kind
-            assert entry[4] == values[2]  # the value itself, in Redis
+            entry = orjson.loads(cast(bytes, entries[0]).partition(b"|")[2])
+            # [format, sink, gateway id, nonce, token, lease key hex, kind, value, payload]
+            assert entry[6] == kind
+            assert entry[7] == values[2]  # the value itself, in Redis
             assert values[2].encode() in entries[0]
             release.set()
             results = await asyncio.wait_for(asyncio.gather(*tasks), 30)

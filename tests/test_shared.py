@@ -8,18 +8,33 @@ value got created=True twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
-from collections.abc import Callable
-from typing import Any
+import socket
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, cast
+from urllib.parse import urlsplit
 
+import asyncpg
+import orjson
 import pytest
+from redis.asyncio import Redis
 
-from dedup import Gateway
-from dedup.store import default_identity
-from tests.servers import RedisServer
-from tests.test_faults import WAIT_S, Ledger, check_contract, loaded, table, until
+from dedup import ConfigError, Gateway, Row, SaveResult
+from dedup._shared_wire import Wire
+from dedup.keys import KeySpace, Limits, digest
+from dedup.migrate import upgrade_async
+from dedup.options import GatewayOptions
+from dedup.settings import load_settings
+from dedup.store import default_identity, open_sink, pg_insert
+from tests.servers import PostgresCluster, RedisServer
+from tests.slow_proxy import SlowProxy
+from tests.test_faults import WAIT_S, Key, Ledger, check_contract, loaded, table, until
 from tests.test_processes import Child
 
 pytestmark = pytest.mark.slow
@@ -93,36 +108,6 @@ def _hold_child(spawn: Callable[[dict[str, Any]], Child], redis_url: str, pg_url
     return child
 
 
-async def test_hung_then_killed_writer_loses_nothing(
-    redis_url: str,
-    pg_url: str,
-    spawn: Callable[[dict[str, Any]], Child],
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    holder = _hold_child(spawn, redis_url, pg_url)
-    ledger = Ledger()
-    async with Gateway(redis_url, pg_url, **SHARED) as gw:
-        await until("listening", lambda: _shared(gw).active)
-        values = [("email", f"hung{i}") for i in range(200)]
-        # Queued for the hung writer: answered after one lease, written here.
-        for key, r in zip(values, await gw.save_many(values), strict=True):
-            ledger.record(key, r)
-        assert all(r for flags in ledger.acks.values() for r in flags)
-        assert not _shared(gw).writer
-        holder.kill()  # SIGKILL: its writer lease runs out, this gateway takes over
-        await until("the writer lease to pass here", lambda: _shared(gw).writer)
-        more = [("email", f"after{i}") for i in range(200)]
-        for key, r in zip(more, await gw.save_many(more), strict=True):
-            ledger.record(key, r)
-        stats = gw.stats()
-    await check_contract(
-        capsys, "shared writer hung, then SIGKILLed", pg_url, ledger,
-        shared_statements=stats.shared_statements,
-    )  # fmt: skip
-    assert stats.shared_statements > 0  # it became the writer after the kill
-    assert len(ledger.acks) == 400 and all(all(f) for f in ledger.acks.values())
-
-
 async def test_paused_writer_is_taken_over(
     redis_url: str,
     pg_url: str,
@@ -190,3 +175,529 @@ async def test_redis_restarted_under_shared_writes(
             await load.grows_by(500, "saves after the restart")
     await check_contract(capsys, "Redis restarted under shared writes", pg_url, ledger)
     assert len(await table(pg_url)) >= len([k for k, f in ledger.acks.items() if f])
+
+
+# ------------------------------------------------------------------ rows reach their own database
+
+
+async def _second_database(pg_cluster: PostgresCluster, pg_url: str) -> str:
+    """A second migrated database on the session's cluster (dropped with the test's own)."""
+    name = urlsplit(pg_url).path.lstrip("/") + "_b"
+    url = pg_cluster.create_database(name)
+    await upgrade_async(url)
+    return url
+
+
+def _sqlite_rows(url: str) -> set[Key]:
+    with contextlib.closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as conn:
+        return {(k, v) for k, v in conn.execute("SELECT kind, value FROM dedup_items")}
+
+
+async def _rows(url: str) -> set[Key]:
+    return _sqlite_rows(url) if url.startswith("sqlite") else await table(url)
+
+
+@pytest.mark.parametrize("database", ["postgresql", "sqlite"])
+async def test_services_on_one_redis_write_only_their_own_databases(
+    redis_url: str,
+    pg_url: str,
+    pg_cluster: PostgresCluster,
+    tmp_path: Path,
+    database: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Two services, two gateways each, their own database each, one Redis and the
+    default namespace and mode: each service's gateways share a writer, and every
+    acknowledged row is in its service's database, none in the other's."""
+    if database == "postgresql":
+        urls = [pg_url, await _second_database(pg_cluster, pg_url)]
+    else:
+        urls = [f"sqlite:///{tmp_path / 'a.db'}", f"sqlite:///{tmp_path / 'b.db'}"]
+    options: dict[str, Any] = {"migrate": True, "wait_timeout_s": WAIT_S, "lease_ms": 2000}
+    ledgers = [Ledger(), Ledger()]
+    async with contextlib.AsyncExitStack() as stack:
+        services = [
+            [await stack.enter_async_context(Gateway(redis_url, url, **options)) for _ in "12"]
+            for url in urls
+        ]
+        everyone = [gw for service in services for gw in service]
+        await until("each service to see a fleet of two", lambda: all(
+            _shared(g).active for g in everyone))  # fmt: skip
+        await until("a writer per service", lambda: all(
+            any(_shared(g).writer for g in service) for service in services))  # fmt: skip
+
+        async def run(n: int) -> None:
+            keys = [("email", f"svc{n}-{i}@example.com") for i in range(600)]
+            for start in range(0, len(keys), 50):
+                chunk = keys[start : start + 50]
+                # Both gateways of the service save every value: they race for it.
+                for gw in services[n]:
+                    ledgers[n].record_all(chunk, await gw.save_many(chunk))
+
+        await asyncio.gather(run(0), run(1))
+        stats = [[g.stats() for g in service] for service in services]
+    for n, url in enumerate(urls):
+        rows, acked = await _rows(url), {k for k, f in ledgers[n].acks.items() if f}
+        other = {k for k, f in ledgers[1 - n].acks.items() if f}
+        with capsys.disabled():
+            queued = sum(s.shared_rows_queued for s in stats[n])
+            print(f"\n[shared] {database} service {n}: acknowledged={len(acked)} rows={len(rows)} "
+                  f"queued={queued} other's rows here={len(rows & other)}", flush=True)  # fmt: skip
+        assert acked <= rows, (
+            f"acknowledged but not in its own database: {sorted(acked - rows)[:3]}"
+        )
+        assert not rows & other, f"another service's rows: {sorted(rows & other)[:3]}"
+        assert all(sum(flags) == 1 for flags in ledgers[n].acks.values())
+        assert sum(s.shared_rows_queued for s in stats[n]) > 0  # they did share a writer
+        assert sum(s.shared_statements for s in stats[n]) > 0
+
+
+async def test_markers_are_still_shared_across_sinks(
+    redis_url: str, pg_url: str, pg_cluster: PostgresCluster
+) -> None:
+    """Gateways of different sinks on one namespace share the markers as before: a
+    value saved through one is answered "saved" by the other, which writes no row."""
+    other_url = await _second_database(pg_cluster, pg_url)
+    async with Gateway(redis_url, pg_url) as a, Gateway(redis_url, other_url) as b:
+        assert (await a.save("email", "shared@example.com")).created
+        assert await b.save("email", "shared@example.com") == SaveResult(False, "redis")
+    assert await table(other_url) == set()
+
+
+def test_sink_identity_names_the_database_without_its_password() -> None:
+    here = socket.gethostname()
+    a = default_identity("postgresql://app:s3cret@db.internal/app")
+    assert "s3cret" not in a
+    assert a == default_identity("postgres://app:other@db.internal:5432/app")
+    assert a != default_identity("postgresql://app@db.internal/app2")
+    assert a != default_identity("postgresql://app@db2.internal/app")
+    assert a != default_identity("postgresql://other@db.internal/app")
+    # A database on this machine is another database on another machine.
+    assert here in default_identity("postgresql://app@localhost/app")
+    assert here in default_identity("postgresql://app@/app?host=/run/postgresql")
+    assert here in default_identity("sqlite:///tmp/x.db")
+    assert "pw" not in default_identity("postgresql://app@db/app?password=pw&sslmode=require")
+    assert default_identity("sqlite:///tmp/./x.db") == default_identity("sqlite:///tmp/x.db")
+
+
+async def test_a_sink_without_identity_writes_only_its_own_rows(redis_url: str) -> None:
+    async def sink(rows: Sequence[Row]) -> list[tuple[str, bytes]]:
+        return [(r.kind, r.digest) for r in rows]
+
+    async with Gateway(redis_url, sink=sink) as gw:  # "auto": no sharing at all
+        assert gw._engine is not None and gw._engine.shared is None
+        assert (await gw.save("anon", "v")).created
+    with pytest.raises(ConfigError, match="identity"):
+        async with Gateway(redis_url, sink=sink, shared_writes="on"):
+            pass
+
+
+def test_shared_secret_is_checked_and_never_shown() -> None:
+    with pytest.raises(ConfigError, match="at least 16") as caught:
+        Gateway(shared_secret="short-secret")
+    assert "short-secret" not in str(caught.value)
+    secret = "a-long-enough-test-secret"
+    assert secret not in repr(GatewayOptions(shared_secret=secret))
+    settings = load_settings(config_path=None, environ={"DEDUP_SHARED_SECRET": secret}, flags={})
+    assert secret not in repr(settings)
+    assert settings.options().shared_secret == secret
+    # Key names (and so markers) are keyed by the secret: a guess needs the secret.
+    plain, keyed = KeySpace("dedup"), KeySpace("dedup", secret=secret.encode())
+    d = digest("guessed@example.com")
+    assert plain.key("email", d) != keyed.key("email", d)
+    assert keyed.key("email", d) == KeySpace("dedup", secret=secret.encode()).key("email", d)
+    assert d not in keyed.key("email", d)
+
+
+# ------------------------------------------------------------------ a writer that cannot write
+
+
+def _proxied(pg_url: str, proxy: SlowProxy) -> str:
+    parts = urlsplit(pg_url)
+    return parts._replace(netloc=parts.netloc.replace(f":{parts.port}", f":{proxy.port}")).geturl()
+
+
+async def test_writer_cut_off_from_its_database_steps_down(
+    redis_url: str, pg_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The elected writer reaches the database through a TCP proxy that is cut; the other
+    gateway's path works: it goes on acknowledging new values as created=True within two
+    leases of the cut, and nothing is lost or created twice."""
+    lease_s = 2.0
+    options: dict[str, Any] = {**SHARED, "lease_ms": int(lease_s * 1000)}
+    parts = urlsplit(pg_url)
+    assert parts.hostname is not None and parts.port is not None
+    proxy = await SlowProxy(parts.hostname, parts.port).start()
+    # The writer's own sink goes through the proxy to the same database, and says so
+    # (its URL alone names another port, so another database as far as dedup can tell).
+    cut_off = open_sink(_proxied(pg_url, proxy), pool_size=4, statement_timeout_ms=1000)
+    cut_off.identity = default_identity(pg_url)
+    ledger = Ledger()
+    try:
+        await cut_off.open()
+        async with Gateway(redis_url, sink=cut_off, **options) as writer:
+            await until("the first gateway to write for the fleet", lambda: _shared(writer).writer)
+            async with Gateway(redis_url, pg_url, **options) as other:
+                await until("both to listen", lambda: _shared(other).active)
+                before = [("email", f"pre{i}") for i in range(100)]
+                ledger.record_all(before, await other.save_many(before))
+                assert other.stats().shared_rows_queued > 0  # written by the writer
+                assert not _shared(other).writer
+                await proxy.aclose()  # the cut: connections dropped, new ones refused
+                cut = time.monotonic()
+                first = [("email", f"cut{i}") for i in range(100)]
+                ledger.record_all(first, await other.save_many(first))
+                took = time.monotonic() - cut
+                assert all(ledger.acks[k] == [True] for k in first)
+                assert took < 2 * lease_s, f"new values acknowledged {took:.2f} s after the cut"
+                async with loaded([other, writer], ledger, both=False) as load:
+                    await load.grows_by(1000, "saves after the cut")
+                await until("the cut-off writer to give up the role",
+                            lambda: not _shared(writer).writer)  # fmt: skip
+                stats = [writer.stats(), other.stats()]
+    finally:
+        await cut_off.aclose()
+        await proxy.aclose()
+    rows = await check_contract(
+        capsys, "shared writer cut off from its database", pg_url, ledger,
+        seconds_to_first_ack=round(took, 2), writer_db_errors=stats[0].db_errors,
+        rows_taken_back=stats[1].shared_rows_returned,
+    )  # fmt: skip
+    assert {k for k, _ in ledger.acks.items()} <= rows
+    assert stats[0].db_errors > 0
+    # The cut-off gateway's own callers failed only because its own database did.
+    assert set(ledger.errors) <= {"Unavailable"}
+
+
+async def test_sink_that_hangs_and_ignores_cancellation_cannot_hold_the_fleet(
+    redis_url: str,
+    pg_url: str,
+    spawn: Callable[[dict[str, Any]], Child],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The writer's sink never returns, even when cancelled: its statement times out, it
+    hands the rows back and gives up the role, and never stands again while that call
+    runs; the other gateway writes its own rows, then the fleet's."""
+    holder = _hold_child(spawn, redis_url, pg_url)
+    ledger = Ledger()
+    async with Gateway(redis_url, pg_url, **SHARED) as gw:
+        await until("listening", lambda: _shared(gw).active)
+        values = [("email", f"hung{i}") for i in range(200)]
+        ledger.record_all(values, await gw.save_many(values))
+        assert all(flags == [True] for flags in ledger.acks.values())
+        # The hung one gave up, though alive: this gateway takes over.
+        await until("the writer lease to pass here", lambda: _shared(gw).writer)
+        assert holder.proc.poll() is None
+        more = [("email", f"after{i}") for i in range(200)]
+        ledger.record_all(more, await gw.save_many(more))
+        stats = gw.stats()
+    holder.kill()
+    await check_contract(
+        capsys, "shared writer's sink hung", pg_url, ledger,
+        shared_statements=stats.shared_statements, taken_back=stats.shared_rows_returned,
+    )  # fmt: skip
+    assert stats.shared_statements > 0
+    assert len(ledger.acks) == 400 and all(f == [True] for f in ledger.acks.values())
+
+
+# ------------------------------------------------------------------ checked messages
+
+SECRET = "a-test-shared-secret-of-32-chars"
+
+
+def _slow_sink(pg_url: str, sleep_s: float) -> Any:
+    """A sink on ``pg_url``'s dedup_items whose every statement first sleeps ``sleep_s``."""
+    pool: list[asyncpg.Pool] = []
+    opening = asyncio.Lock()
+
+    async def write(rows: Sequence[Row]) -> list[tuple[str, bytes]]:
+        async with opening:  # one pool, however many statements come first
+            if not pool:
+                pool.append(await asyncpg.create_pool(pg_url, min_size=1, max_size=4))
+        await asyncio.sleep(sleep_s)
+        async with pool[0].acquire() as conn:
+            return await pg_insert(conn, rows)
+
+    async def aclose() -> None:
+        if pool:
+            await pool[0].close()
+
+    write.identity = default_identity(pg_url)  # type: ignore[attr-defined]
+    write.aclose = aclose  # type: ignore[attr-defined]
+    return write
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["unsigned", "signed"])
+async def test_malformed_and_forged_rows_are_skipped(
+    redis_url: str, pg_url: str, secret: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Junk pushed onto the queue ahead of real rows: each unusable item is counted and
+    skipped, the real rows of the same pop are written, and no junk reaches the table.
+    A well-formed row nobody claimed (no lease) is never written; with a secret, a row
+    signed with another key is never even read."""
+    options: dict[str, Any] = {**SHARED, "shared_secret": secret}
+    client = Redis.from_url(redis_url)
+    ledger = Ledger()
+    try:
+        async with Gateway(redis_url, pg_url, **options) as a:
+            await until("a writer", lambda: _shared(a).writer)
+            async with Gateway(redis_url, pg_url, **options) as b:
+                await until("listening", lambda: _shared(b).active)
+                shared = _shared(b)
+                wire = shared._wire
+                forger = Wire(sink=wire.sink, secret=b"another-secret-of-enough-length",
+                              keys=KeySpace("dedup"), limits=Limits(max_value_bytes=100,
+                              max_payload_bytes=100))  # fmt: skip
+                keys = KeySpace(
+                    "dedup", secret=options["shared_secret"].encode() if secret else b""
+                )
+                key = keys.key("email", digest("forged@example.com"))
+                gw = shared.gateway_id
+                junk = [
+                    b"not json at all",
+                    b"|[1]",
+                    b'|{"a": 1}',
+                    b"|" + orjson.dumps([2, wire.sink, gw, 1, "Lx", key.hex(), "email", "v", None]),
+                    b"|"
+                    + orjson.dumps([1, "another-sink", gw, 1, "Lx", key.hex(), "e", "v", None]),
+                    wire.row(gw, 1, "Lx", key, "email\n", "forged@example.com", None),  # bad kind
+                    wire.row(gw, 2, "Lx", key, "email", "other@example.com", None),  # wrong key
+                    wire.row(gw, 3, "Lx", key, "email", "forged@example.com", "{not json"),
+                    # Well-formed and signed when the gateways sign, but nobody's claim: no
+                    # lease holds its token, so it is not written.
+                    wire.row(gw, 4, "Lnobody", key, "email", "forged@example.com", None),
+                    # Signed with another key (or, unsigned gateways, a stray signature).
+                    forger.row(gw, 5, "Lx", key, "email", "forged@example.com", None),
+                ]
+                await client.rpush(shared._queue_key, *junk)
+                values = [("email", f"real{i}@example.com") for i in range(300)]
+                for start in range(0, 300, 100):
+                    chunk = values[start : start + 100]
+                    ledger.record_all(chunk, await b.save_many(chunk))
+                await until("the junk to be read", lambda: a.stats().shared_bad_messages >= 8)
+                stats = [a.stats(), b.stats()]
+    finally:
+        await client.aclose()
+    rows = await check_contract(
+        capsys, f"junk on the queue ({'signed' if secret else 'unsigned'})", pg_url, ledger,
+        bad_messages=stats[0].shared_bad_messages,
+    )  # fmt: skip
+    assert all(flags == [True] for flags in ledger.acks.values())
+    assert ("email", "forged@example.com") not in rows
+    assert stats[1].shared_rows_queued > 0  # the real rows did go through the queue
+    # 8 malformed (the last two are read as good rows when unsigned: the one with no
+    # lease is then handed back to a gateway that never claimed it).
+    assert stats[0].shared_bad_messages >= (9 if secret else 8)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["unsigned", "signed"])
+async def test_malformed_stale_and_forged_answers_resolve_nothing(
+    redis_url: str, pg_url: str, secret: str | None
+) -> None:
+    """Answers that are junk, stale (another nonce), meant for another gateway, or (with a
+    secret) not signed with it resolve nothing and leave the listener working: the claim
+    gets its writer's real answer."""
+    options: dict[str, Any] = {**SHARED, "lease_ms": 4000, "shared_secret": secret}
+    slow = _slow_sink(pg_url, 1.0)
+    client = Redis.from_url(redis_url)
+    try:
+        async with Gateway(redis_url, sink=slow, **options) as writer:
+            await until("a writer", lambda: _shared(writer).writer)
+            async with Gateway(redis_url, pg_url, **options) as claimant:
+                shared = _shared(claimant)
+                await until("listening", lambda: shared.active)
+                task = asyncio.create_task(claimant.save("email", "pending@example.com"))
+                await until("the row to be queued", lambda: bool(shared._pending))
+                key, entry = next(iter(shared._pending.items()))
+                nonce = entry.nonce
+                gw, wire = shared.gateway_id, shared._wire
+                forger = Wire(sink=wire.sink, secret=b"another-secret-of-enough-length",
+                              keys=KeySpace("dedup"), limits=Limits(max_value_bytes=100,
+                              max_payload_bytes=100))  # fmt: skip
+                lies = [
+                    b"garbage",
+                    b"|[1, 2, 3]",
+                    wire.answer(gw, {"i": [key.hex(), nonce + 1]}),  # stale: another claim
+                    wire.answer("0" * 16, {"i": [key.hex(), nonce]}),  # another gateway's
+                    wire.answer(gw, {"i": ["zz", nonce]}),
+                ]
+                if secret:  # the right claim, but not signed with the fleet's secret
+                    lies.append(forger.answer(gw, {"i": [key.hex(), nonce]}))
+                    lies.append(
+                        b"|" + wire.answer(gw, {"i": [key.hex(), nonce]}).partition(b"|")[2]
+                    )
+                for lie in lies:
+                    await client.publish(shared._channel, lie)
+                await asyncio.sleep(0.3)
+                assert not task.done(), "a lie resolved the save"
+                assert (await asyncio.wait_for(task, WAIT_S)) == SaveResult(True, "write")
+                assert claimant.stats().shared_bad_messages >= len(lies) - 2
+                # The listener survived: the next save is answered through it too.
+                assert (await claimant.save("email", "after@example.com")).created
+                assert claimant.stats().shared_rows_queued == 2
+    finally:
+        await client.aclose()
+        await slow.aclose()
+    assert ("email", "pending@example.com") in await table(pg_url)
+
+
+# ------------------------------------------------------------------ bounded waits and queue
+
+
+async def test_hot_key_queued_behind_a_slow_writer_keeps_its_lease(
+    redis_url: str, pg_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A slow (but alive) writer with a backlog of several leases: the claimant of a hot
+    key renews its lease while its row waits, so the other gateway never claims it; the
+    row is written (by the writer, or by its claimant once the caller's deadline nears).
+    No caller gets WaitTimeout."""
+    lease_s = 1.0
+    options: dict[str, Any] = {**SHARED, "lease_ms": 1000, "wait_timeout_s": 4 * lease_s}
+    slow = _slow_sink(pg_url, 0.3)  # inside the 0.5 s statement bound: alive, slow
+    ledger = Ledger()
+    try:
+        async with Gateway(redis_url, sink=slow, max_batch=8, **options) as writer:
+            await until("a writer", lambda: _shared(writer).writer)
+            async with (
+                Gateway(redis_url, pg_url, **options) as a,
+                Gateway(redis_url, pg_url, **options) as b,
+            ):
+                await until("listening", lambda: _shared(a).active and _shared(b).active)
+                backlog = [("email", f"backlog{i}") for i in range(400)]  # ~7 s of statements
+                first = asyncio.create_task(a.save_many(backlog))
+                await until("a backlog", lambda: a.stats().shared_rows_queued >= 400)
+                hot = ("email", "hot@example.com")
+                key = a._keys.key("email", digest("hot@example.com"))
+                token = _shared(a)._claims.token
+                mine = asyncio.create_task(a.save(*hot))
+                await until("the hot row to be queued", lambda: key in _shared(a)._pending)
+                queued_at = time.monotonic()
+                client = Redis.from_url(redis_url)
+                seen: set[bytes | None] = set()
+                try:
+
+                    async def others() -> None:  # b's callers of the hot key meanwhile
+                        while not mine.done():
+                            r = await b.save(*hot)
+                            ledger.record(hot, r)
+
+                    hammer = asyncio.create_task(others())
+                    while not mine.done():
+                        seen.add(cast(bytes | None, await client.get(key)))
+                        await asyncio.sleep(0.02)
+                    waited = time.monotonic() - queued_at
+                    ledger.record(hot, await mine)
+                    await asyncio.wait_for(hammer, WAIT_S)
+                finally:
+                    await client.aclose()
+                ledger.record_all(backlog, await asyncio.wait_for(first, WAIT_S))
+                stats = a.stats()
+    finally:
+        await slow.aclose()
+    await check_contract(
+        capsys, "hot key behind a slow writer", pg_url, ledger,
+        hot_waited_s=round(waited, 2), taken_back=stats.shared_rows_returned,
+        wait_timeouts=stats.wait_timeouts,
+    )  # fmt: skip
+    assert waited > 1.5 * lease_s  # it did wait well past its first lease
+    assert seen == {token.encode()}, f"the lease key held {seen} while the row waited"
+    assert ledger.acks[hot].count(True) == 1
+    assert not ledger.errors
+
+
+async def test_full_queue_claimants_write_their_own_rows(
+    redis_url: str, pg_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    options: dict[str, Any] = {**SHARED, "shared_queue_max": 20}
+    slow = _slow_sink(pg_url, 0.2)
+    ledger = Ledger()
+    client = Redis.from_url(redis_url)
+    try:
+        async with Gateway(redis_url, sink=slow, max_batch=4, **options) as writer:
+            await until("a writer", lambda: _shared(writer).writer)
+            # Claim batches of 8: each pushes 8 rows, so a third one finds the queue full.
+            async with Gateway(redis_url, pg_url, max_batch=8, **options) as gw:
+                await until("listening", lambda: _shared(gw).active)
+                longest = 0
+
+                async def watch() -> None:
+                    nonlocal longest
+                    while True:
+                        longest = max(longest, await client.llen(_shared(gw)._queue_key))
+                        await asyncio.sleep(0.01)
+
+                watcher = asyncio.create_task(watch())
+                values = [("email", f"full{i}") for i in range(300)]
+                for start in range(0, 300, 30):
+                    chunk = values[start : start + 30]
+                    ledger.record_all(chunk, await gw.save_many(chunk))
+                watcher.cancel()
+                stats = gw.stats()
+    finally:
+        await client.aclose()
+        await slow.aclose()
+    await check_contract(
+        capsys, "shared queue at its cap", pg_url, ledger, longest_queue=longest,
+        queue_full=stats.shared_queue_full, queued=stats.shared_rows_queued,
+    )  # fmt: skip
+    assert longest <= 20
+    assert stats.shared_queue_full > 0 and stats.shared_rows_queued > 0
+    assert all(flags == [True] for flags in ledger.acks.values())
+
+
+async def test_survivor_of_a_killed_writer_drains_within_a_lease(
+    redis_url: str,
+    pg_url: str,
+    spawn: Callable[[dict[str, Any]], Child],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A fleet of two with the default mode and lease: the writer is SIGKILLed. The
+    survivor still counts it until its writer lease has passed (the heartbeat outlives
+    it), takes the role over and drains the queue within about a lease."""
+    lease_s = 5.0  # the default, where the heartbeat once expired before the writer lease
+    writer = spawn(
+        {
+            "mode": "save",
+            "redis_url": redis_url,
+            "database_url": pg_url,
+            "items": [["email", "child"]],
+            "concurrency": 1,
+            "out": str(tmp_path / "child.jsonl"),
+            "name": "writer",
+            "options": {"shared_writes": "on"},  # it stands at once, alone
+        }
+    )
+    assert writer.read_line() == "READY"
+    ledger = Ledger()
+    client = Redis.from_url(redis_url)
+    async with Gateway(redis_url, pg_url) as gw:  # the defaults: "auto", a 5 s lease
+        shared = _shared(gw)
+        await until("a fleet of two", lambda: shared.active)
+
+        async def writer_lease() -> bool:
+            return bool(await client.exists(shared._writer_key))
+
+        while not await writer_lease():  # the child holds it (bounded by WAIT_S below)
+            await until("a moment", lambda: True)
+        assert not shared.writer  # the child writes for the fleet
+        writer.kill()
+        killed = time.monotonic()
+        values = [("email", f"orphan{i}") for i in range(100)]
+        ledger.record_all(values, await gw.save_many(values))
+        answered = time.monotonic() - killed
+        took_over = await until("the survivor to write for the fleet", lambda: shared.writer)
+        await until("the queue drained", lambda: not shared._pending)
+        left = await client.llen(shared._queue_key)
+        stats = gw.stats()
+    await client.aclose()
+    await check_contract(
+        capsys, "writer of two SIGKILLed", pg_url, ledger,
+        answered_s=round(answered, 2), took_over_s=round(took_over, 2),
+        queued=stats.shared_rows_queued,
+    )  # fmt: skip
+    assert stats.shared_rows_queued == 100  # queued for the dead writer
+    assert all(flags == [True] for flags in ledger.acks.values())
+    assert answered < lease_s + 2.0, f"answered {answered:.1f} s after the kill"
+    assert took_over < lease_s + 2.0
+    assert left == 0
