@@ -84,7 +84,13 @@ def test_derived_values() -> None:
     assert o.write_budget_s == pytest.approx(2.25)
     assert o.min_fill == 32
     assert o.max_backoff_s == 0.1 and o.min_backoff_s == 0.002
-    assert o.redis_connections == 9
+    assert o.redis_connections == 2 + 3 + 2 + 7  # claims, writes, probe and commit, shared
+    assert (
+        GatewayOptions(
+            max_claim_batches=2, max_write_batches=3, shared_writes="off"
+        ).redis_connections
+        == 7
+    )
     assert o.retention_ms == 0 and GatewayOptions(retention_s=1.5).retention_ms == 1500
     assert GatewayOptions(redis_url="redis+cluster://h:1").shards == 64
     assert GatewayOptions(redis_url="redis://h:1").shards == 0

@@ -87,8 +87,10 @@ MINIMAL_ACL = tuple(
         "+zrem",
         "+zremrangebyscore",
         "+rpush",
-        "+lpop",
-        "+blmpop",
+        "+llen",
+        "+lrange",
+        "+ltrim",
+        "+blpop",
         "+publish",
         "+subscribe",
     ]
