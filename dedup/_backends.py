@@ -27,6 +27,7 @@ from dedup.claims import (
     Claims,
     connect_redis,
     info_of_every_node,
+    older_than_floor,
     script_variant,
     too_old,
     unsafe_policies,
@@ -173,6 +174,13 @@ class Backends:
                 "allow_eviction=True"
             ) from exc
         except (RedisError, OSError) as exc:
+            if older_than_floor(exc):
+                raise ConfigError(
+                    f"Redis at {redact(url)} is older than "
+                    f"{'.'.join(map(str, MIN_REDIS_VERSION))} (it does not know HELLO); dedup "
+                    f"needs Redis {'.'.join(map(str, MIN_REDIS_VERSION))} or newer (or Valkey "
+                    "7.2 or newer)"
+                ) from exc
             raise Unavailable(
                 f"cannot connect to Redis at {redact(url)}: {exc}", component="redis"
             ) from exc

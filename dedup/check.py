@@ -14,6 +14,7 @@ from dedup.claims import (
     MIN_REDIS_VERSION,
     connect_redis,
     info_of_every_node,
+    older_than_floor,
     per_node,
     script_variant,
     too_old,
@@ -45,6 +46,10 @@ async def _check_redis(url: str, allow_eviction: bool, timeout_s: float) -> list
         memory: Any = await asyncio.wait_for(info_of_every_node(client, "memory"), timeout_s * 2)
         server: Any = await asyncio.wait_for(info_of_every_node(client, "server"), timeout_s * 2)
     except Exception as exc:
+        if older_than_floor(exc):
+            needed = ".".join(map(str, MIN_REDIS_VERSION))
+            why = f"older than Redis {needed} (no HELLO): dedup needs Redis {needed}+"
+            return [Finding("fail", "redis", f"{shown}: {why} (or Valkey 7.2+)")]
         return [Finding("fail", "redis", f"{shown}: cannot connect: {redact(str(exc))}")]
     finally:
         await client.aclose()

@@ -67,6 +67,7 @@ __all__ = [
     "Claims",
     "connect_redis",
     "info_of_every_node",
+    "older_than_floor",
     "per_node",
     "probe_write",
     "script_variant",
@@ -209,6 +210,21 @@ def _versions(server_info: Any) -> list[tuple[str, tuple[int, int] | None]]:
         else:
             found.append((version, (major, minor)))
     return found
+
+
+def older_than_floor(exc: BaseException) -> bool:
+    """True when connecting failed because the server does not know ``HELLO`` (Redis 6.0),
+    which redis-py sends first when it speaks RESP3 (its default from 8.0): the server is
+    older than :data:`MIN_REDIS_VERSION`, and its version cannot even be read."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # the cause chain, bounded: redis-py wraps it in a ConnectionError
+        if seen is None:
+            return False
+        text = str(seen)
+        if isinstance(seen, ResponseError) and "unknown command" in text and "HELLO" in text:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def too_old(server_info: Any) -> list[str]:

@@ -27,6 +27,7 @@ from dedup.claims import (
     Claims,
     connect_redis,
     info_of_every_node,
+    older_than_floor,
     probe_write,
     script_variant,
     unwritable_reason,
@@ -337,6 +338,23 @@ def test_the_variant_follows_the_oldest_node() -> None:
     # A version it cannot read gets the scripts every supported server runs.
     assert script_variant({"redis_version": "unstable"}) is REDIS_6
     assert script_variant({}) is REDIS_6
+
+
+def test_a_server_older_than_the_floor_is_named() -> None:
+    """redis-py (RESP3, its default from 8.0) first sends HELLO, which came in Redis 6.0: a
+    Redis 5 answers "unknown command", which redis-py wraps in a ConnectionError. Checked
+    by hand against a Redis 5.0.6 built from source (see the README's failure table)."""
+    refused = ResponseError("unknown command `HELLO`, with args beginning with: `3`, ")
+    try:
+        try:
+            raise refused
+        except ResponseError as exc:
+            raise ConnectionError(str(exc)) from exc
+    except ConnectionError as wrapped:
+        assert older_than_floor(wrapped)
+    assert older_than_floor(refused)
+    assert not older_than_floor(ConnectionError("Connection refused"))
+    assert not older_than_floor(ResponseError("unknown command `GETDEL`"))
 
 
 # What Redis 6.0 has of what the scripts call (SET's GET option came in 6.2, GETDEL in 6.2).
