@@ -285,7 +285,8 @@ class RedisServer(_Managed):
         self._port_fixed = port is not None
         self._port = port if port is not None else free_port()
         self._extra_args = list(extra_args)
-        self._binary = binary or find_redis_server()
+        # Absolute: the server runs in its own folder (cwd), where a relative path breaks.
+        self._binary = os.path.abspath(binary) if binary else find_redis_server()
         self._dir = Path(tempfile.mkdtemp(prefix="dedup-redis-"))
         self.log_path = self._dir / "redis.log"
 
