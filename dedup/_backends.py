@@ -37,7 +37,7 @@ from dedup.errors import ConfigError, DedupError, Unavailable
 from dedup.keys import KeySpace
 from dedup.metrics import Stats
 from dedup.options import GatewayOptions
-from dedup.scripts import ScriptVariant
+from dedup.scripts import REDIS_6, ScriptVariant
 from dedup.store import DefaultSink, open_sink
 from dedup.types import BatchWriter
 from dedup.urls import embedded_sqlite_url, redact
@@ -165,8 +165,12 @@ class Backends:
         except NoPermissionError as exc:
             # An ACL user without +info: the policy cannot be read. Say so, not "cannot connect".
             if allow:
-                log.warning("Redis user may not run INFO: maxmemory-policy not checked (allowed)")
+                log.warning(
+                    "Redis user may not run INFO: maxmemory-policy not checked (allowed), and "
+                    "the server's version unknown: the Redis 6 scripts, which every version runs"
+                )
                 self.eviction_checked = True
+                self._use_variant(REDIS_6)
                 return
             raise ConfigError(
                 f"the Redis user of {redact(url)} may not run INFO ({exc}), which dedup needs to "
@@ -192,10 +196,9 @@ class Backends:
                 f"{'.'.join(map(str, MIN_REDIS_VERSION))} or newer (or Valkey 7.2 or newer)"
             )
         if self.variant is None:
-            self.variant = script_variant(server)
-            log.info("Redis at %s: %s scripts", redact(url), self.variant.name)
-            if self.claims is not None:  # Redis was down at open: its first check is now
-                self.claims.variant = self.variant
+            variant = script_variant(server)
+            self._use_variant(variant)
+            log.info("Redis at %s: %s scripts", redact(url), variant.name)
         bad = unsafe_policies(info)
         if bad and not allow:
             raise ConfigError(
@@ -204,6 +207,13 @@ class Backends:
                 "evict them too). Set `maxmemory-policy noeviction` or pass allow_eviction=True."
             )
         self.eviction_checked = True
+
+    def _use_variant(self, variant: ScriptVariant) -> None:
+        """Use ``variant``'s scripts from now on (once: the first check that reads it)."""
+        if self.variant is None:
+            self.variant = variant
+            if self.claims is not None:  # Redis was down at open: its first check is now
+                self.claims.variant = variant
 
     async def ping(self, timeout_s: float, breaker: _Reports) -> dict[str, bool]:
         """A PING to Redis and an index probe of the default sink, at once, each bounded

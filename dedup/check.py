@@ -20,7 +20,7 @@ from dedup.claims import (
     too_old,
     unsafe_policies,
 )
-from dedup.embedded import find_redis_server, server_version
+from dedup.embedded import find_redis_server, server_name, server_version
 from dedup.errors import ConfigError, DedupError
 from dedup.scripts import VARIANTS, ScriptVariant
 from dedup.settings import Config
@@ -54,10 +54,18 @@ async def _check_redis(url: str, allow_eviction: bool, timeout_s: float) -> list
     finally:
         await client.aclose()
 
-    version = sorted({str(i.get("redis_version", "?")) for i in per_node(server)})
+    # Valkey reports a Redis-compatible redis_version (7.2.4) and its own valkey_version.
+    version = sorted(
+        {
+            f"Valkey {i['valkey_version']} (Redis {i.get('redis_version', '?')})"
+            if "valkey_version" in i
+            else f"Redis {i.get('redis_version', '?')}"
+            for i in per_node(server)
+        }
+    )
     unsafe = sorted(unsafe_policies(memory))
     limits = {int(i.get("maxmemory", 0)) for i in per_node(memory)}
-    found = [Finding("ok", "redis", f"{shown}: reachable, Redis {', '.join(version)}")]
+    found = [Finding("ok", "redis", f"{shown}: reachable, {', '.join(version)}")]
     old = too_old(server)
     if old:
         needed = ".".join(map(str, MIN_REDIS_VERSION))
@@ -183,8 +191,8 @@ def _embedded_findings(binary: str, data_dir: str) -> list[Finding]:
         Finding(
             "ok",
             "redis",
-            f"embedded: {binary} (Redis {shown}), started on a unix socket in {data_dir} "
-            "(noeviction)",
+            f"embedded: {binary} ({server_name(binary)} {shown}), started on a unix socket in "
+            f"{data_dir} (noeviction)",
         )
     ]
     if version != (0, 0, 0) and version[:2] < MIN_REDIS_VERSION:

@@ -27,6 +27,7 @@ __all__ = [
     "EmbeddedRedis",
     "find_redis_server",
     "hash_entries_option",
+    "server_name",
     "server_version",
 ]
 
@@ -54,25 +55,35 @@ def find_redis_server() -> str:
 
 
 @functools.cache
-def server_version(exe: str) -> tuple[int, int, int]:
-    """The version of the redis-server binary ``exe`` (from ``--version``: ``Redis server
-    v=6.2.14 ...``; Valkey's ``valkey-server`` answers alike), or (0, 0, 0) when it says
-    none. Read once per binary."""
+def _version_line(exe: str) -> bytes:
+    """What ``exe --version`` prints (b"" when it cannot run). Read once per binary."""
     try:
         done = subprocess.run([exe, "--version"], capture_output=True, timeout=10.0, check=False)
     except (OSError, subprocess.SubprocessError):
-        return (0, 0, 0)
-    found = _VERSION.search(done.stdout)
+        return b""
+    return done.stdout
+
+
+def server_version(exe: str) -> tuple[int, int, int]:
+    """The version of the redis-server binary ``exe`` (from ``--version``: ``Redis server
+    v=6.2.14 ...``; Valkey's ``valkey-server`` answers alike, with its own version), or
+    (0, 0, 0) when it says none."""
+    found = _VERSION.search(_version_line(exe))
     if found is None:
         return (0, 0, 0)
     major, minor, patch = (int(x) for x in found.groups())
     return (major, minor, patch)
 
 
+def server_name(exe: str) -> str:
+    """``"Valkey"`` for a Valkey server binary, else ``"Redis"``."""
+    return "Valkey" if _version_line(exe).startswith(b"Valkey") else "Redis"
+
+
 def hash_entries_option(exe: str) -> str:
     """The name of the "hash stays compact up to N fields" option that ``exe`` knows: the
     listpack name from Redis 7.0 on, the ziplist name before (Redis 7 still reads the old
-    one as an alias, but a server that drops aliases would not)."""
+    one as an alias, but a server that drops aliases would not). Valkey began at 7.2."""
     if server_version(exe) >= (7, 0, 0):
         return "--hash-max-listpack-entries"
     return "--hash-max-ziplist-entries"

@@ -192,7 +192,10 @@ def pytest_report_header(config: pytest.Config) -> str:
     if found is None:
         return "redis-server: none on PATH"
     version = ".".join(map(str, server_version(found)))
-    return f"redis-server: {os.path.realpath(found)} (version {version})"
+    chosen = os.environ.get(REDIS_SERVER_ENV)
+    return f"redis-server: {found} (version {version})" + (
+        f", {REDIS_SERVER_ENV}={chosen}" if chosen else ""
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -444,13 +444,18 @@ def test_check_names_the_redis_version_and_the_scripts(redis_url: str, tmp_path:
     choose; for the embedded default, the binary it would start and its version."""
     client = redis.Redis.from_url(redis_url)
     try:
-        version = str(client.info("server")["redis_version"])
+        info = client.info("server")
     finally:
         client.close()
+    version = str(info["redis_version"])
     variant = script_variant({"redis_version": version})
+    # Valkey reports a Redis-compatible redis_version and its own valkey_version.
+    found = f"Redis {version}"
+    if "valkey_version" in info:
+        found = f"Valkey {info['valkey_version']} ({found})"
     sqlite = f"sqlite:///{tmp_path / 'x.sqlite3'}"
     run = _dedup("check", "--redis-url", redis_url, "--database-url", sqlite)
-    assert f"OK   redis    {redis_url}: reachable, Redis {version}\n" in run.stdout, run.stdout
+    assert f"OK   redis    {redis_url}: reachable, {found}\n" in run.stdout, run.stdout
     assert f"OK   redis    scripts: {variant.name} (Redis {variant.since[0]}." in run.stdout
     assert ("Redis 7.0+ would save a command per new value" in run.stdout) == (
         variant is not REDIS_7
@@ -458,7 +463,8 @@ def test_check_names_the_redis_version_and_the_scripts(redis_url: str, tmp_path:
     # The embedded default: the redis-server on PATH (the one the fixtures started).
     run = _dedup("check", "--data-dir", str(tmp_path / "data"))
     assert run.returncode == 0, run.stdout + run.stderr
-    assert f"(Redis {version}), started on a unix socket" in run.stdout
+    binary = found.split(" (")[0]  # the binary's own name and version
+    assert f"({binary}), started on a unix socket" in run.stdout, run.stdout
     assert f"OK   redis    scripts: {variant.name} " in run.stdout
 
 
