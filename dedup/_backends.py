@@ -22,12 +22,22 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
 from dedup.bloom import BloomSpec
-from dedup.claims import MIN_REDIS_VERSION, Claims, connect_redis, too_old, unsafe_policies
+from dedup.claims import (
+    MIN_REDIS_VERSION,
+    Claims,
+    connect_redis,
+    info_of_every_node,
+    older_than_floor,
+    script_variant,
+    too_old,
+    unsafe_policies,
+)
 from dedup.embedded import DataDirLock, EmbeddedRedis
 from dedup.errors import ConfigError, DedupError, Unavailable
 from dedup.keys import KeySpace
 from dedup.metrics import Stats
 from dedup.options import GatewayOptions
+from dedup.scripts import REDIS_6, ScriptVariant
 from dedup.store import DefaultSink, open_sink
 from dedup.types import BatchWriter
 from dedup.urls import embedded_sqlite_url, redact
@@ -51,7 +61,9 @@ class Backends:
     ``keys`` names the Redis keys of values. After :meth:`open`: ``redis`` and ``claims``
     are set; ``sink`` is the write step
     (``default_sink`` is the same object, or None with a custom sink);
-    ``redis_down_at_open`` says why Redis could not be used at open (empty if it could).
+    ``redis_down_at_open`` says why Redis could not be used at open (empty if it could);
+    ``variant`` is the script variant chosen from the server's version (None until the
+    version check has run).
     """
 
     def __init__(self, options: GatewayOptions, keys: KeySpace, stats: Stats) -> None:
@@ -67,6 +79,7 @@ class Backends:
         self.default_sink: DefaultSink | None = None
         self.redis_down_at_open = ""
         self.eviction_checked = False
+        self.variant: ScriptVariant | None = None
 
     async def open(self) -> None:
         """Open every part in order; on failure, close what was opened and raise."""
@@ -117,6 +130,7 @@ class Backends:
                 if options.approximate_values
                 else None
             ),
+            variant=self.variant,
         )
         if options.sink is not None:
             self.sink = options.sink
@@ -136,7 +150,8 @@ class Backends:
 
     async def check_redis(self) -> None:
         """Reach Redis and refuse one that may evict keys (leases and markers would vanish)
-        or that is older than :data:`dedup.claims.MIN_REDIS_VERSION`.
+        or that is older than :data:`dedup.claims.MIN_REDIS_VERSION`; choose the script
+        variant from its version (for a cluster, its oldest node's), once.
 
         Raises :class:`Unavailable` when Redis cannot be reached and
         :class:`ConfigError` when it is unsafe; sets ``eviction_checked`` when it passed.
@@ -144,13 +159,19 @@ class Backends:
         client, url, allow = self.redis, self.redis_url, self._options.allow_eviction
         assert client is not None
         try:
-            info: Any = await client.info("memory")
-            server: Any = await client.info("server")
+            # Every node of a cluster: the oldest one sets the script variant, and any one
+            # that may evict would lose leases and markers.
+            info: Any = await info_of_every_node(client, "memory")
+            server: Any = await info_of_every_node(client, "server")
         except NoPermissionError as exc:
             # An ACL user without +info: the policy cannot be read. Say so, not "cannot connect".
             if allow:
-                log.warning("Redis user may not run INFO: maxmemory-policy not checked (allowed)")
+                log.warning(
+                    "Redis user may not run INFO: maxmemory-policy not checked (allowed), and "
+                    "the server's version unknown: the Redis 6 scripts, which every version runs"
+                )
                 self.eviction_checked = True
+                self._use_variant(REDIS_6)
                 return
             raise ConfigError(
                 f"the Redis user of {redact(url)} may not run INFO ({exc}), which dedup needs to "
@@ -158,6 +179,13 @@ class Backends:
                 "allow_eviction=True"
             ) from exc
         except (RedisError, OSError) as exc:
+            if older_than_floor(exc):
+                raise ConfigError(
+                    f"Redis at {redact(url)} is older than "
+                    f"{'.'.join(map(str, MIN_REDIS_VERSION))} (it does not know HELLO); dedup "
+                    f"needs Redis {'.'.join(map(str, MIN_REDIS_VERSION))} or newer (or Valkey "
+                    "7.2 or newer)"
+                ) from exc
             raise Unavailable(
                 f"cannot connect to Redis at {redact(url)}: {exc}", component="redis"
             ) from exc
@@ -166,9 +194,12 @@ class Backends:
         if old:
             raise ConfigError(
                 f"Redis at {redact(url)} is version {', '.join(old)}; dedup needs Redis "
-                f"{'.'.join(map(str, MIN_REDIS_VERSION))} or newer (its claim scripts use SET "
-                "with NX and GET together)"
+                f"{'.'.join(map(str, MIN_REDIS_VERSION))} or newer (or Valkey 7.2 or newer)"
             )
+        if self.variant is None:
+            variant = script_variant(server)
+            self._use_variant(variant)
+            log.info("Redis at %s: %s scripts", redact(url), variant.name)
         bad = unsafe_policies(info)
         if bad and not allow:
             raise ConfigError(
@@ -177,6 +208,13 @@ class Backends:
                 "evict them too). Set `maxmemory-policy noeviction` or pass allow_eviction=True."
             )
         self.eviction_checked = True
+
+    def _use_variant(self, variant: ScriptVariant) -> None:
+        """Use ``variant``'s scripts from now on (once: the first check that reads it)."""
+        if self.variant is None:
+            self.variant = variant
+            if self.claims is not None:  # Redis was down at open: its first check is now
+                self.claims.variant = variant
 
     async def ping(self, timeout_s: float, breaker: _Reports) -> dict[str, bool]:
         """A PING to Redis and an index probe of the default sink, at once, each bounded

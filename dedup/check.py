@@ -10,9 +10,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from dedup.claims import MIN_REDIS_VERSION, connect_redis, per_node, too_old, unsafe_policies
-from dedup.embedded import find_redis_server
+from dedup.claims import (
+    MIN_REDIS_VERSION,
+    connect_redis,
+    info_of_every_node,
+    older_than_floor,
+    per_node,
+    script_variant,
+    too_old,
+    unsafe_policies,
+)
+from dedup.embedded import find_redis_server, server_name, server_version
 from dedup.errors import ConfigError, DedupError
+from dedup.scripts import VARIANTS, ScriptVariant
 from dedup.settings import Config
 from dedup.store import PG_TABLE_EXISTS
 from dedup.urls import check_url_password, embedded_sqlite_url, redact
@@ -33,21 +43,41 @@ async def _check_redis(url: str, allow_eviction: bool, timeout_s: float) -> list
     shown = redact(url)
     client = connect_redis(url, max_connections=2, timeout_s=timeout_s)
     try:
-        memory: Any = await asyncio.wait_for(client.info("memory"), timeout_s * 2)
-        server: Any = await asyncio.wait_for(client.info("server"), timeout_s * 2)
+        memory: Any = await asyncio.wait_for(info_of_every_node(client, "memory"), timeout_s * 2)
+        server: Any = await asyncio.wait_for(info_of_every_node(client, "server"), timeout_s * 2)
     except Exception as exc:
+        if older_than_floor(exc):
+            needed = ".".join(map(str, MIN_REDIS_VERSION))
+            why = f"older than Redis {needed} (no HELLO): dedup needs Redis {needed}+"
+            return [Finding("fail", "redis", f"{shown}: {why} (or Valkey 7.2+)")]
         return [Finding("fail", "redis", f"{shown}: cannot connect: {redact(str(exc))}")]
     finally:
         await client.aclose()
 
-    version = sorted({str(i.get("redis_version", "?")) for i in per_node(server)})
+    # Valkey reports a Redis-compatible redis_version (7.2.4) and its own valkey_version.
+    version = sorted(
+        {
+            f"Valkey {i['valkey_version']} (Redis {i.get('redis_version', '?')})"
+            if "valkey_version" in i
+            else f"Redis {i.get('redis_version', '?')}"
+            for i in per_node(server)
+        }
+    )
     unsafe = sorted(unsafe_policies(memory))
     limits = {int(i.get("maxmemory", 0)) for i in per_node(memory)}
-    found = [Finding("ok", "redis", f"{shown}: reachable, Redis {', '.join(version)}")]
+    found = [Finding("ok", "redis", f"{shown}: reachable, {', '.join(version)}")]
     old = too_old(server)
     if old:
         needed = ".".join(map(str, MIN_REDIS_VERSION))
-        found.append(Finding("fail", "redis", f"Redis {', '.join(old)}: dedup needs {needed}+"))
+        found.append(
+            Finding(
+                "fail",
+                "redis",
+                f"Redis {', '.join(old)}: dedup needs Redis {needed}+ (or Valkey 7.2+)",
+            )
+        )
+    else:
+        found.append(Finding("ok", "redis", _variant_line(script_variant(server))))
     if not unsafe:
         found.append(Finding("ok", "redis", "maxmemory-policy noeviction"))
     else:
@@ -71,6 +101,16 @@ async def _check_redis(url: str, allow_eviction: bool, timeout_s: float) -> list
             )
         )
     return found
+
+
+def _variant_line(variant: ScriptVariant) -> str:
+    """What ``dedup check`` says about the script variant a Gateway would choose."""
+    since = ".".join(map(str, variant.since))
+    line = f"scripts: {variant.name} (Redis {since}+: {variant.commands})"
+    if variant is not VARIANTS[0]:
+        newest = ".".join(map(str, VARIANTS[0].since))
+        line += f"; Redis {newest}+ would save a command per new value"
+    return line
 
 
 async def _check_postgres(url: str, timeout_s: float) -> list[Finding]:
@@ -143,6 +183,27 @@ def _schema_finding(has_table: bool, revision: str | None) -> Finding:
     return Finding("ok", "database", f"schema at revision {revision} (the newest)")
 
 
+def _embedded_findings(binary: str, data_dir: str) -> list[Finding]:
+    """The embedded redis-server: which binary, its version and the scripts it gets."""
+    version = server_version(binary)
+    shown = ".".join(map(str, version)) if version != (0, 0, 0) else "of unknown version"
+    found = [
+        Finding(
+            "ok",
+            "redis",
+            f"embedded: {binary} ({server_name(binary)} {shown}), started on a unix socket in "
+            f"{data_dir} (noeviction)",
+        )
+    ]
+    if version != (0, 0, 0) and version[:2] < MIN_REDIS_VERSION:
+        needed = ".".join(map(str, MIN_REDIS_VERSION))
+        found.append(Finding("fail", "redis", f"embedded: dedup needs Redis {needed}+"))
+    else:
+        text = ".".join(map(str, version))
+        found.append(Finding("ok", "redis", _variant_line(script_variant({"redis_version": text}))))
+    return found
+
+
 def _password_ok(url: str) -> bool:
     """False for a URL with an unescaped password: the config finding already fails it, and
     connecting would only quote pieces of the password in the errors."""
@@ -201,14 +262,7 @@ async def check(config: Config) -> list[Finding]:
         except DedupError as exc:
             found.append(Finding("fail", "redis", f"embedded: {exc}"))
         else:
-            found.append(
-                Finding(
-                    "ok",
-                    "redis",
-                    f"embedded: {binary}, started on a unix socket in {gateway.data_dir} "
-                    "(noeviction)",
-                )
-            )
+            found += _embedded_findings(binary, str(gateway.data_dir))
     url = gateway.database_url
     if not url:
         sqlite_path = embedded_sqlite_url(gateway.data_dir).removeprefix("sqlite:///")

@@ -28,6 +28,7 @@ from redis.exceptions import (
     ConnectionError,
     MaxConnectionsError,
     MovedError,
+    NoPermissionError,
     NoScriptError,
     OutOfMemoryError,
     ReadOnlyError,
@@ -51,8 +52,12 @@ from dedup.scripts import (
     COMMIT,
     COMMIT_BLOOM,
     COMMIT_COMPACT,
+    REDIS_6,
+    VARIANTS,
     Script,
+    ScriptVariant,
     cross_slot,
+    render,
 )
 from dedup.urls import CLUSTER_SCHEMES, REDIS_SCHEMES, scrub
 
@@ -62,8 +67,11 @@ __all__ = [
     "REDIS_SCHEMES",
     "Claims",
     "connect_redis",
+    "info_of_every_node",
+    "older_than_floor",
     "per_node",
     "probe_write",
+    "script_variant",
     "too_old",
     "unlink_matching",
     "unsafe_policies",
@@ -71,13 +79,38 @@ __all__ = [
 ]
 
 
-_CLAIM, _COMMIT, _ABORT = Script(CLAIM), Script(COMMIT), Script(ABORT)
-_CLAIM_COMPACT, _COMMIT_COMPACT = Script(CLAIM_COMPACT), Script(COMMIT_COMPACT)
-_CLAIM_BLOOM, _COMMIT_BLOOM = Script(CLAIM_BLOOM), Script(COMMIT_BLOOM)
-_CLAIMS = (_CLAIM, _CLAIM_COMPACT, _CLAIM_BLOOM)
-# Each script's cluster form: one call per node for keys of many slots.
-_ALL = (_CLAIM, _COMMIT, _ABORT, _CLAIM_COMPACT, _COMMIT_COMPACT, _CLAIM_BLOOM, _COMMIT_BLOOM)
-_CROSS = {script: Script(cross_slot(script.source)) for script in _ALL}
+class _Scripts:
+    """The scripts of one :class:`ScriptVariant`, each with its cluster form."""
+
+    __slots__ = (
+        "abort",
+        "claim",
+        "claim_bloom",
+        "claim_compact",
+        "claims",
+        "commit",
+        "commit_bloom",
+        "commit_compact",
+        "cross",
+        "variant",
+    )
+
+    def __init__(self, variant: ScriptVariant) -> None:
+        self.variant = variant
+        self.claim, self.commit, self.abort = (
+            Script(render(source, variant)) for source in (CLAIM, COMMIT, ABORT)
+        )
+        self.claim_compact = Script(render(CLAIM_COMPACT, variant))
+        self.commit_compact = Script(render(COMMIT_COMPACT, variant))
+        self.claim_bloom = Script(render(CLAIM_BLOOM, variant))
+        self.commit_bloom = Script(render(COMMIT_BLOOM, variant))
+        self.claims = (self.claim, self.claim_compact, self.claim_bloom)
+        every = (*self.claims, self.commit, self.abort, self.commit_compact, self.commit_bloom)
+        # Each script's cluster form: one call per node for keys of many slots.
+        self.cross = {script: Script(cross_slot(script.source, variant)) for script in every}
+
+
+_SCRIPTS = {variant: _Scripts(variant) for variant in VARIANTS}
 _SKEW_ALLOWANCE_MS = 60_000
 # One script call of a cluster batch: its KEYS and ARGV (all keys in one slot).
 _Call = tuple[Sequence[bytes], Sequence[Any]]
@@ -152,23 +185,69 @@ def per_node(info: Any) -> list[dict[str, Any]]:
     return [info]
 
 
-MIN_REDIS_VERSION = (7, 0)
-"""The claim scripts use ``SET ... NX GET`` (Redis 7.0) and ``GETDEL`` (6.2)."""
+async def info_of_every_node(client: Redis | RedisCluster, section: str) -> Any:
+    """``INFO section`` of a server, or of EVERY node of a cluster (a node address -> its
+    answer; redis-py asks one node unless told), for :func:`per_node`."""
+    if isinstance(client, RedisCluster):
+        return await client.info(section, target_nodes=RedisCluster.ALL_NODES)
+    return await client.info(section)
+
+
+MIN_REDIS_VERSION = (6, 0)
+"""The oldest Redis dedup runs on (:data:`dedup.scripts.REDIS_6`'s commands; Valkey
+reports its Redis-compatible version, 7.2 for Valkey 7.2 and later)."""
+
+
+def _versions(server_info: Any) -> list[tuple[str, tuple[int, int] | None]]:
+    """Each node's ``redis_version`` in an ``INFO server`` answer (of one server or of
+    every cluster node), with its (major, minor), or None when it cannot be read."""
+    found: list[tuple[str, tuple[int, int] | None]] = []
+    for node in per_node(server_info):
+        version = str(node.get("redis_version", ""))
+        try:
+            major, minor = (int(x) for x in version.split(".")[:2])
+        except ValueError:
+            found.append((version, None))
+        else:
+            found.append((version, (major, minor)))
+    return found
+
+
+def older_than_floor(exc: BaseException) -> bool:
+    """True when connecting failed because the server does not know ``HELLO`` (Redis 6.0),
+    which redis-py sends first when it speaks RESP3 (its default from 8.0): the server is
+    older than :data:`MIN_REDIS_VERSION`, and its version cannot even be read."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # the cause chain, bounded: redis-py wraps it in a ConnectionError
+        if seen is None:
+            return False
+        text = str(seen)
+        if isinstance(seen, ResponseError) and "unknown command" in text and "HELLO" in text:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def too_old(server_info: Any) -> list[str]:
     """The ``redis_version`` values below :data:`MIN_REDIS_VERSION` in an ``INFO server``
     answer (of one server or of every cluster node); an unreadable version is let by."""
-    old = set()
-    for node in per_node(server_info):
-        version = str(node.get("redis_version", ""))
-        try:
-            parts = tuple(int(x) for x in version.split(".")[:2])
-        except ValueError:
-            continue
-        if len(parts) == 2 and parts < MIN_REDIS_VERSION:
-            old.add(version)
+    old = {text for text, parts in _versions(server_info) if parts and parts < MIN_REDIS_VERSION}
     return sorted(old)
+
+
+def script_variant(server_info: Any) -> ScriptVariant:
+    """The script variant for the servers of an ``INFO server`` answer: the newest one
+    that the OLDEST node can run (a cluster whose nodes are being upgraded keeps the old
+    scripts until every node is new). An unreadable version gets :data:`REDIS_6`, whose
+    commands every supported server has."""
+    versions = [parts for _, parts in _versions(server_info)]
+    if not versions or None in versions:
+        return REDIS_6
+    oldest = min(v for v in versions if v is not None)
+    for variant in VARIANTS:  # newest first
+        if oldest >= variant.since:
+            return variant
+    return REDIS_6  # older than the floor: refused by too_old before any script runs
 
 
 def unsafe_policies(memory_info: Any) -> set[str]:
@@ -234,6 +313,7 @@ class Claims:
         "_lease",
         "_markers",
         "_period_ms",
+        "_scripts",
         "_slot_calls",
         "_stats",
         "_token",
@@ -254,6 +334,7 @@ class Claims:
         cluster_shards: int = 0,
         marker_generations: int = 2,
         approximate: BloomSpec | None = None,
+        variant: ScriptVariant | None = None,
     ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
@@ -279,6 +360,31 @@ class Claims:
         # them all keeps each node's connections below its pool size (which raises,
         # not waits).
         self._slot_calls = asyncio.Semaphore(max_parallel)
+        self._scripts = None if variant is None else _SCRIPTS[variant]
+
+    @property
+    def variant(self) -> ScriptVariant | None:
+        """The script variant in use: given at construction (:class:`dedup._backends.Backends`
+        passes the one its version check chose), or read from the server's ``INFO
+        server`` before the first script call; None until then."""
+        return None if self._scripts is None else self._scripts.variant
+
+    @variant.setter
+    def variant(self, variant: ScriptVariant) -> None:
+        self._scripts = _SCRIPTS[variant]
+
+    async def _variant_scripts(self) -> _Scripts:
+        """The scripts of :attr:`variant`, reading the server's version first if not known
+        (once: one ``INFO server`` call, of every node on a cluster)."""
+        scripts = self._scripts
+        if scripts is None:
+            try:
+                info = await info_of_every_node(self._client, "server")
+            except NoPermissionError:  # an ACL user without +info: what every version runs
+                info = {}
+            self._stats.redis_round_trips += 1
+            scripts = self._scripts = _SCRIPTS[script_variant(info)]
+        return scripts
 
     @property
     def token(self) -> str:
@@ -311,22 +417,24 @@ class Claims:
     async def claim(self, keys: Sequence[bytes]) -> str:
         """One letter per key: ``S`` saved, ``W`` won (lease held), ``B`` busy."""
         head: tuple[Any, ...] = (self._token, self._lease)
+        scripts = await self._variant_scripts()
         if self.layout == "keys":
-            results = await self._run(_CLAIM, keys, lambda ks: (ks, head))
+            results = await self._run(scripts.claim, keys, lambda ks: (ks, head))
         else:
             reads, _ = self.generations()
-            script = _CLAIM_COMPACT if self._bloom is None else _CLAIM_BLOOM
+            script = scripts.claim_compact if self._bloom is None else scripts.claim_bloom
             results = await self._run(script, keys, lambda ks: self._claim_call(ks, reads))
         return "".join(r.decode() if isinstance(r, bytes) else r for r in results)
 
     async def commit(self, keys: Sequence[bytes]) -> int:
         """Mark ``keys`` saved; returns how many still held this token's lease."""
+        scripts = await self._variant_scripts()
         if self.layout == "keys":
             args = (self._token, self.retention_ms)
-            results = await self._run(_COMMIT, keys, lambda ks: (ks, args))
+            results = await self._run(scripts.commit, keys, lambda ks: (ks, args))
         else:
             reads, expire_at = self.generations()
-            script = _COMMIT_COMPACT if self._bloom is None else _COMMIT_BLOOM
+            script = scripts.commit_compact if self._bloom is None else scripts.commit_bloom
             results = await self._run(
                 script, keys, lambda ks: self._commit_call(ks, reads[0], expire_at)
             )
@@ -335,7 +443,8 @@ class Claims:
     async def abort(self, keys: Sequence[bytes]) -> int:
         """Release this token's leases on ``keys``; returns how many were released."""
         args = (self._token,)
-        results = await self._run(_ABORT, keys, lambda ks: (ks, args))
+        scripts = await self._variant_scripts()
+        results = await self._run(scripts.abort, keys, lambda ks: (ks, args))
         return sum(int(r) for r in results)
 
     async def states(self, keys: Sequence[bytes]) -> str:
@@ -439,7 +548,8 @@ class Claims:
                 "cluster (cluster_shards > 0)"
             )
         answers = await self._per_node(script, keys, groups, build)
-        if script not in _CLAIMS:
+        assert self._scripts is not None  # set before any script runs
+        if script not in self._scripts.claims:
             return [sum(int(a) for a, _ in answers)]
         # Claim answers are strings: put each letter back at its key's position.
         letters = [""] * len(keys)
@@ -515,7 +625,8 @@ class Claims:
     async def _node_call(self, node: ClusterNode, script: Script, call: _Call) -> Any:
         """One call of ``script``'s cluster form on ``node`` (loaded first if the node
         answers NOSCRIPT: 3 round trips instead of 1)."""
-        cross = _CROSS[script]
+        assert self._scripts is not None  # set before any script runs
+        cross = self._scripts.cross[script]
         call_keys, args = call
         command = ("EVALSHA", cross.sha, 0, len(call_keys), *call_keys, *args)
         async with self._slot_calls:

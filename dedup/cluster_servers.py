@@ -3,6 +3,7 @@ benchmarks; built on :class:`dedup.servers.RedisServer`, without redis-cli."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -10,9 +11,34 @@ from typing import Any, Self
 
 import redis
 
-from dedup.servers import HOST, START_TIMEOUT, RedisServer, ServerError, free_port
+from dedup.embedded import server_version
+from dedup.servers import (
+    HOST,
+    START_TIMEOUT,
+    RedisServer,
+    ServerError,
+    find_redis_server,
+    free_port,
+)
 
 __all__ = ["RedisClusterServers"]
+
+_BUS_OFFSET = 10_000  # a node's cluster bus port before Redis 7.0: its port + 10000
+
+
+def _port_with_bus() -> int:
+    """A free port whose ``port + 10000`` is a free port too (Redis 6's cluster bus)."""
+    for _ in range(200):
+        port = free_port()
+        if port + _BUS_OFFSET > 65535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((HOST, port + _BUS_OFFSET))
+            except OSError:
+                continue
+        return port
+    raise ServerError("no free port p with p + 10000 free too (Redis 6's cluster bus)")
 
 
 class RedisClusterServers:
@@ -24,7 +50,8 @@ class RedisClusterServers:
     CLUSTER REPLICATE their primary; :meth:`start` returns once every node reports
     ``cluster_state:ok`` and every replica has synced. The bus port of each node is a
     free port of its own (``cluster-port``, redis-server 7.0 or later), not ``port + 10000``
-    (which may be past 65535).
+    (which may be past 65535); before 7.0, where the bus is always ``port + 10000``, each
+    node gets a port low enough for that, with both free.
 
     ``node_timeout_ms`` is ``cluster-node-timeout``: how long a silent primary takes to
     be marked failed and replaced by its replica (``cluster-replica-validity-factor 0``
@@ -107,17 +134,20 @@ class RedisClusterServers:
         return self
 
     def _new_node(self) -> RedisServer:
-        bus = free_port()
-        node = RedisServer(
-            extra_args=[
-                "--cluster-enabled", "yes",
-                "--cluster-node-timeout", str(self.node_timeout_ms),
-                "--cluster-replica-validity-factor", "0",
-                "--cluster-port", str(bus),
-                "--repl-diskless-sync-delay", "0",  # replicas sync at once, not after 5 s
-                *self._extra_args,
-            ]
-        )  # fmt: skip
+        args = [
+            "--cluster-enabled", "yes",
+            "--cluster-node-timeout", str(self.node_timeout_ms),
+            "--cluster-replica-validity-factor", "0",
+            "--repl-diskless-sync-delay", "0",  # replicas sync at once, not after 5 s
+            *self._extra_args,
+        ]  # fmt: skip
+        if server_version(find_redis_server()) >= (7, 0, 0):
+            bus = free_port()
+            node = RedisServer(extra_args=[*args, "--cluster-port", str(bus)])
+        else:
+            port = _port_with_bus()
+            bus = port + _BUS_OFFSET
+            node = RedisServer(port, extra_args=args)
         self._bus_ports[node.port] = bus
         return node
 

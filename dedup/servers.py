@@ -269,16 +269,24 @@ def find_redis_server() -> str:
 
 
 class RedisServer(_Managed):
-    """A private redis-server on 127.0.0.1 with persistence off."""
+    """A private redis-server on 127.0.0.1 with persistence off: ``binary``, or the one
+    :func:`find_redis_server` finds."""
 
     _name = "redis-server"
 
-    def __init__(self, port: int | None = None, *, extra_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        extra_args: Sequence[str] = (),
+        binary: str | None = None,
+    ) -> None:
         super().__init__()
         self._port_fixed = port is not None
         self._port = port if port is not None else free_port()
         self._extra_args = list(extra_args)
-        self._binary = find_redis_server()
+        # Absolute: the server runs in its own folder (cwd), where a relative path breaks.
+        self._binary = os.path.abspath(binary) if binary else find_redis_server()
         self._dir = Path(tempfile.mkdtemp(prefix="dedup-redis-"))
         self.log_path = self._dir / "redis.log"
 

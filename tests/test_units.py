@@ -178,10 +178,11 @@ def test_marker_locators_hold_the_bucket_index_and_the_field() -> None:
             assert bucket.endswith(b":%d" % (int.from_bytes(x[1:4]) % layout.buckets_per_tag))
 
 
-def test_redis_older_than_7_is_named() -> None:
+def test_redis_older_than_6_is_named() -> None:
     assert too_old({"redis_version": "7.0.15"}) == []
     assert too_old({"redis_version": "7.4.1"}) == [] and too_old({"redis_version": "8.0"}) == []
-    assert too_old({"redis_version": "6.2.14"}) == ["6.2.14"]
-    cluster = {"a:1": {"redis_version": "7.0.15"}, "b:2": {"redis_version": "6.0.9"}}
-    assert too_old(cluster) == ["6.0.9"]
+    assert too_old({"redis_version": "6.2.14"}) == [] and too_old({"redis_version": "6.0.9"}) == []
+    assert too_old({"redis_version": "5.0.7"}) == ["5.0.7"]
+    cluster = {"a:1": {"redis_version": "7.0.15"}, "b:2": {"redis_version": "5.0.14"}}
+    assert too_old(cluster) == ["5.0.14"]
     assert too_old({}) == [] and too_old({"redis_version": "unstable"}) == []
