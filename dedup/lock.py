@@ -57,7 +57,7 @@ from redis.exceptions import RedisError
 
 from dedup._release import READY_TIMEOUT_S, RELEASE_CHANNEL, ReleaseListener, Waiter, listener_for
 from dedup.errors import ConfigError, LockError, LockNotOwned
-from dedup.fence import FENCE_CHECK_SQL, FENCED_SET, check_fence, fence_key, fenced_set
+from dedup.fence import FENCE_CHECK_SQL, FENCED_SET, check_fence, fence_key, fenced_set, sibling_key
 from dedup.redlock import Redlock
 from dedup.scripts import Script
 
@@ -72,6 +72,7 @@ __all__ = [
     "REACQUIRE",
     "RELEASE",
     "RELEASE_CHANNEL",
+    "RELEASE_PLAIN",
     "Lock",
     "Redlock",
     "check_fence",
@@ -95,22 +96,38 @@ local function owner_of(key)
 end
 """
 
-# The next fence of KEYS[2]: above the last one remembered and at least the server
-# time in microseconds (exact in a Lua double up to 2^53, i.e. until year 2255).
-# '%.0f' because tostring() would write 1.7e+15.
+# The next fence of KEYS[2], at least 1 above the last one while the counter lives:
+# one INCR. A missing counter (first grant, expired, or Redis restarted empty) starts
+# again from the server time in microseconds, with an expiry of ARGV[3] ms set then
+# only, so that INCR alone serves every other grant. Grants of one name come far
+# slower than one per microsecond, so a counter stays below the clock and the restart
+# value is above every fence before it. '%.0f' because tostring() would write 1.7e+15;
+# doubles are exact up to 2^53 (year 2255).
 _NEXT_FENCE = """
-local now = redis.call('TIME')
-local fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
-local last = tonumber(redis.call('GET', KEYS[2]) or '0')
-if fence <= last then fence = last + 1 end
-redis.call('SET', KEYS[2], string.format('%.0f', fence), 'PX', ARGV[3])
+local fence = redis.call('INCR', KEYS[2])
+if fence == 1 then
+  local now = redis.call('TIME')
+  fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  redis.call('SET', KEYS[2], string.format('%.0f', fence), 'PX', ARGV[3])
+end
+"""
+
+# A failed attempt of a waiter leaves a flag (KEYS[3]) so that the release that frees
+# the lock knows to publish; the release deletes it with the lock in one DEL. A grant
+# leaves it too when other waiters of the same client did not try this time
+# (ARGV[4] '2'): they wait for the signal of this holder's release.
+_FLAG_WAITER = """
+if ARGV[4] ~= '0' then redis.call('SET', KEYS[3], '1', 'PX', ARGV[3]) end
 """
 
 ACQUIRE = (
     """
--- KEYS[1]: the lock (a string holding the token); KEYS[2]: its fence counter
+-- KEYS[1]: the lock (a string holding the token); KEYS[2]: its fence counter;
+--   KEYS[3]: its "someone waits" flag
 -- ARGV[1]: the token; ARGV[2]: the lease in ms, 0 = no expiry;
---   ARGV[3]: how long the fence counter outlives this grant, in ms
+--   ARGV[3]: how long the fence counter (and a waiter flag) live, in ms;
+--   ARGV[4]: '1' = the caller will wait for a release if the lock is held, '2' = and
+--   others wait, flag even a grant, '0' = nobody waits
 -- Returns: {1, fence} when the lock was free and is now held by the token;
 --   {0, pttl} when it is held (pttl -1: the holder's lease has no expiry)
 local ok
@@ -119,7 +136,17 @@ if ARGV[2] == '0' then
 else
   ok = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
 end
-if not ok then return {0, redis.call('PTTL', KEYS[1])} end
+if not ok then
+"""
+    + _FLAG_WAITER
+    + """
+  return {0, redis.call('PTTL', KEYS[1])}
+end
+if ARGV[4] == '2' then
+"""
+    + _FLAG_WAITER
+    + """
+end
 """
     + _NEXT_FENCE
     + """
@@ -129,9 +156,12 @@ return {1, fence}
 
 ACQUIRE_REENTRANT = (
     """
--- KEYS[1]: the lock (a hash: owner, count, fence); KEYS[2]: its fence counter
+-- KEYS[1]: the lock (a hash: owner, count, fence); KEYS[2]: its fence counter;
+--   KEYS[3]: its "someone waits" flag
 -- ARGV[1]: the owner (one token per task); ARGV[2]: the lease in ms, 0 = no expiry;
---   ARGV[3]: how long the fence counter outlives this grant, in ms
+--   ARGV[3]: how long the fence counter (and a waiter flag) live, in ms;
+--   ARGV[4]: '1' = the caller will wait for a release if the lock is held, '2' = and
+--   others wait, flag even a new grant, '0' = nobody waits
 -- Returns: {1, fence, count} when the owner holds it now (count 1: a new grant, the
 --   fence is new; count > 1: a re-entry, the fence is the grant's);
 --   {0, pttl, 0} when another owner holds it (pttl -1: no expiry)
@@ -145,7 +175,17 @@ if kind == 'hash' and redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   end
   return {1, tonumber(redis.call('HGET', KEYS[1], 'fence')), n}
 end
-if kind ~= 'none' then return {0, redis.call('PTTL', KEYS[1]), 0} end
+if kind ~= 'none' then
+"""
+    + _FLAG_WAITER
+    + """
+  return {0, redis.call('PTTL', KEYS[1]), 0}
+end
+if ARGV[4] == '2' then
+"""
+    + _FLAG_WAITER
+    + """
+end
 """
     + _NEXT_FENCE
     + """
@@ -155,12 +195,23 @@ return {1, fence, 1}
 """
 )
 
+RELEASE_PLAIN = """
+-- KEYS[1]: the lock (a string holding the token); KEYS[2]: its "someone waits" flag
+-- ARGV[1]: the token; ARGV[2]: the release channel
+-- Returns: -1 when the token does not hold the lock; 0 when the lock is free now
+--   (and, if a waiter flagged itself, its name is published on ARGV[2])
+-- pcall: a reentrant lock's hash under this name is simply not ours.
+if redis.pcall('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+if redis.call('DEL', KEYS[1], KEYS[2]) > 1 then redis.call('PUBLISH', ARGV[2], KEYS[1]) end
+return 0
+"""
+
 RELEASE = """
--- KEYS[1]: the lock (string or reentrant hash)
+-- KEYS[1]: the lock (string or reentrant hash); KEYS[2]: its "someone waits" flag
 -- ARGV[1]: the token; ARGV[2]: the release channel
 -- Returns: -1 when the token does not hold the lock; otherwise the holds left:
---   0 = the lock is free now (deleted, and its name published on ARGV[2] so that
---   waiters wake), n > 0 = a reentrant owner still holds it n times
+--   0 = the lock is free now (deleted, and, if a waiter flagged itself, its name
+--   published on ARGV[2]), n > 0 = a reentrant owner still holds it n times
 local kind = redis.call('TYPE', KEYS[1]).ok
 local left = 0
 if kind == 'string' then
@@ -172,8 +223,7 @@ else
   return -1
 end
 if left > 0 then return left end
-redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[2], KEYS[1])
+if redis.call('DEL', KEYS[1], KEYS[2]) > 1 then redis.call('PUBLISH', ARGV[2], KEYS[1]) end
 return 0
 """
 
@@ -223,7 +273,8 @@ return owner_of(KEYS[1])
 )
 
 _ACQUIRE, _ACQUIRE_REENTRANT = Script(ACQUIRE), Script(ACQUIRE_REENTRANT)
-_RELEASE, _EXTEND, _REACQUIRE = Script(RELEASE), Script(EXTEND), Script(REACQUIRE)
+_RELEASE, _RELEASE_PLAIN = Script(RELEASE), Script(RELEASE_PLAIN)
+_EXTEND, _REACQUIRE = Script(EXTEND), Script(REACQUIRE)
 _OWNER = Script(OWNER)
 
 
@@ -321,9 +372,15 @@ class Lock(RedisLock):
         self.lost = asyncio.Event()
         self._key = self._encode(name)
         self._fence_key = fence_key(self._key)
+        self._flag_key = sibling_key(self._key, b":waiting")
+        self._fence_memory_ms = math.ceil(fence_memory_s * 1000)
+        self._release_script = _RELEASE if reentrant else _RELEASE_PLAIN
         # At least 1 ms: 0 means "no expiry" to the scripts.
         self._lease_ms = max(1, int(timeout * 1000)) if timeout else 0
         self._depth = 0  # holds through this object (reentrant: per acquire)
+        # The watchdog is a timer until its first renewal is due (most holds end
+        # before), then a task.
+        self._watchdog_timer: asyncio.TimerHandle | None = None
         self._watchdog_task: asyncio.Task[None] | None = None
         self._holder_callback: tuple[asyncio.Task[Any], Callable[[asyncio.Task[Any]], None]] | None
         self._holder_callback = None
@@ -372,6 +429,9 @@ class Lock(RedisLock):
         task.add_done_callback(done)
 
     def _stop_watchdog(self) -> None:
+        if self._watchdog_timer is not None:
+            self._watchdog_timer.cancel()
+            self._watchdog_timer = None
         if self._watchdog_task is not None:
             self._watchdog_task.cancel()
             self._watchdog_task = None
@@ -393,13 +453,16 @@ class Lock(RedisLock):
             self.lost.set()
 
     # ---------------------------------------------------------------- acquire
-    async def _try(self, token: bytes) -> tuple[bool, int]:
-        """One attempt: (True, fence) when granted, else (False, the holder's pttl)."""
+    async def _try(self, token: bytes, waiting: str = "0") -> tuple[bool, int]:
+        """One attempt: (True, fence) when granted, else (False, the holder's pttl).
+        ``waiting``: "1" = the caller waits for a release if it fails (it flags
+        itself), "2" = other waiters of this client wait too (a grant flags them)."""
         loop = asyncio.get_running_loop()
         sent = loop.time()
         script = _ACQUIRE_REENTRANT if self.reentrant else _ACQUIRE
-        args = [token, self._lease_ms, math.ceil(self.fence_memory_s * 1000)]
-        call = asyncio.ensure_future(self._eval(script, [self._key, self._fence_key], args))
+        keys = [self._key, self._fence_key, self._flag_key]
+        args = [token, self._lease_ms, self._fence_memory_ms, waiting]
+        call = asyncio.ensure_future(self._eval(script, keys, args))
         try:
             reply = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -425,7 +488,7 @@ class Lock(RedisLock):
             self._drop_unknown(token)
         elif fut.result()[0] == 1:
             # Exactly this grant: a new lock is deleted, a re-entry is decremented.
-            self._spawn(self._eval(_RELEASE, [self._key], [token, RELEASE_CHANNEL]), "undo")
+            self._spawn(self._release_call(token), "undo")
 
     def _drop_unknown(self, token: bytes) -> None:
         """Delete the lock if an attempt whose outcome is unknown got it.
@@ -435,7 +498,12 @@ class Lock(RedisLock):
         bounds the damage), and a token this object holds is not an orphan.
         """
         if not self.reentrant and token != self.local.token:
-            self._spawn(self._eval(_RELEASE, [self._key], [token, RELEASE_CHANNEL]), "cleanup")
+            self._spawn(self._release_call(token), "cleanup")
+
+    async def _release_call(self, token: bytes) -> int:
+        """One release of ``token`` on the server: the holds left, -1 if not held."""
+        keys = [self._key, self._flag_key]
+        return int(await self._eval(self._release_script, keys, [token, RELEASE_CHANNEL]))
 
     def _granted(self, token: bytes, fence: int, sent: float) -> None:
         if self.reentrant and self._depth > 0 and token == self.local.token:
@@ -448,16 +516,30 @@ class Lock(RedisLock):
         self._depth = 1
         self.lost.clear()
         if self.watchdog:
-            watchdog = asyncio.ensure_future(self._watch(token, sent))
-            self._watchdog_task = watchdog
-            holder = asyncio.current_task()
-            if holder is not None:
+            assert self.timeout  # checked in __init__
+            loop = asyncio.get_running_loop()
+            # Nothing else until the first renewal is due: a short hold costs a
+            # timer, cancelled by its release.
+            self._watchdog_timer = loop.call_at(
+                sent + self.timeout / 3, self._start_watchdog, token, sent, asyncio.current_task()
+            )
 
-                def holder_done(_: asyncio.Task[Any]) -> None:
-                    watchdog.cancel()
+    def _start_watchdog(
+        self, token: bytes, granted_at: float, holder: asyncio.Task[Any] | None
+    ) -> None:
+        """The first renewal is due: start renewing, unless the hold is over."""
+        self._watchdog_timer = None
+        if self.local.token != token or (holder is not None and holder.done()):
+            return  # released, or the holding task ended: the lease runs out
+        watchdog = asyncio.ensure_future(self._watch(token, granted_at))
+        self._watchdog_task = watchdog
+        if holder is not None:
 
-                holder.add_done_callback(holder_done)
-                self._holder_callback = (holder, holder_done)
+            def holder_done(_: asyncio.Task[Any]) -> None:
+                watchdog.cancel()
+
+            holder.add_done_callback(holder_done)
+            self._holder_callback = (holder, holder_done)
 
     async def do_acquire(self, token: str | bytes) -> bool:
         """One attempt with ``token`` (redis-py's hook); True when granted."""
@@ -501,7 +583,11 @@ class Lock(RedisLock):
                 else:
                     listener = None
             while True:
-                acquired, pttl = await self._try(raw)
+                flag = "0"
+                if blocking and self.release_signal:
+                    others = listener is not None and waiter is not None and listener.others(waiter)
+                    flag = "2" if others else "1"
+                acquired, pttl = await self._try(raw, flag)
                 if acquired or not blocking:
                     return acquired
                 left = math.inf if deadline is None else deadline - loop.time()
@@ -571,7 +657,7 @@ class Lock(RedisLock):
             )
 
     async def _release_and_settle(self, token: bytes) -> None:
-        left = int(await self._eval(_RELEASE, [self._key], [token, RELEASE_CHANNEL]))
+        left = await self._release_call(token)
         if self.local.token == token:  # unless this object was acquired again meanwhile
             if left < 0:
                 self.lost.set()
@@ -588,8 +674,7 @@ class Lock(RedisLock):
     async def do_release(self, expected_token: bytes) -> None:
         """Release with ``expected_token`` (redis-py's hook); raises
         :class:`~dedup.errors.LockNotOwned` if it does not hold the lock."""
-        left = int(await self._eval(_RELEASE, [self._key], [expected_token, RELEASE_CHANNEL]))
-        if left < 0:
+        if await self._release_call(expected_token) < 0:
             raise LockNotOwned(
                 "Cannot release a lock that's no longer owned", lock_name=self._lock_name()
             )
@@ -649,7 +734,7 @@ class Lock(RedisLock):
 
     # --------------------------------------------------------------- watchdog
     async def _watch(self, token: bytes, granted_at: float) -> None:
-        """Renew every third of the lease; on failure retry sooner until the lease is
+        """Renew now and then every third of the lease; on failure retry sooner until the lease is
         over; after the cap, let the lease run out. Ends by setting ``lost`` unless
         cancelled (release, or the holding task ended)."""
         assert self.timeout  # checked in __init__
@@ -657,9 +742,10 @@ class Lock(RedisLock):
         lease_s = float(self.timeout)
         lease_end = granted_at + lease_s
         cap_end = None if self.watchdog_cap_s is None else granted_at + self.watchdog_cap_s
-        delay = lease_s / 3
+        delay = 0.0  # started when the first renewal is due
         while True:
-            await asyncio.sleep(delay)
+            if delay:
+                await asyncio.sleep(delay)
             sent = loop.time()
             if cap_end is not None and sent >= cap_end:
                 break
