@@ -40,6 +40,8 @@ of the first two are re-exported here. Bad options raise :class:`dedup.errors.Co
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 import math
 import random
@@ -68,6 +70,7 @@ __all__ = [
     "EXTEND",
     "FENCED_SET",
     "FENCE_CHECK_SQL",
+    "HANDOVER",
     "OWNER",
     "REACQUIRE",
     "RELEASE",
@@ -227,6 +230,35 @@ if redis.call('DEL', KEYS[1], KEYS[2]) > 1 then redis.call('PUBLISH', ARGV[2], K
 return 0
 """
 
+HANDOVER = (
+    """
+-- KEYS[1]: the lock (a string holding the token); KEYS[2]: its fence counter;
+--   KEYS[3]: its "someone waits" flag
+-- ARGV[1]: the holder's token; ARGV[2]: the next holder's token (a waiter of the same
+--   client); ARGV[3]: how long the fence counter lives, in ms; ARGV[4]: the next
+--   holder's lease in ms, 0 = no expiry; ARGV[5]: '1' = yield instead if a waiter of
+--   another client flagged itself; ARGV[6]: the release channel
+-- Returns: {1, fence} when the lock is now held by ARGV[2] (a new grant, with a new
+--   fence); {0} when it was released instead (published, the flag kept, since the
+--   next holder waits too); {-1} when ARGV[1] does not hold the lock
+if redis.pcall('GET', KEYS[1]) ~= ARGV[1] then return {-1} end
+if ARGV[5] == '1' and redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[6], KEYS[1])
+  return {0}
+end
+if ARGV[4] == '0' then
+  redis.call('SET', KEYS[1], ARGV[2])
+else
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[4])
+end
+"""
+    + _NEXT_FENCE
+    + """
+return {1, fence}
+"""
+)
+
 EXTEND = (
     """
 -- KEYS[1]: the lock
@@ -274,7 +306,7 @@ return owner_of(KEYS[1])
 
 _ACQUIRE, _ACQUIRE_REENTRANT = Script(ACQUIRE), Script(ACQUIRE_REENTRANT)
 _RELEASE, _RELEASE_PLAIN = Script(RELEASE), Script(RELEASE_PLAIN)
-_EXTEND, _REACQUIRE = Script(EXTEND), Script(REACQUIRE)
+_EXTEND, _REACQUIRE, _HANDOVER = Script(EXTEND), Script(REACQUIRE), Script(HANDOVER)
 _OWNER = Script(OWNER)
 
 
@@ -296,6 +328,90 @@ def _task_token() -> bytes:
     if token is None:
         token = _TASK_TOKENS[task] = _new_token()
     return token
+
+
+# ------------------------------------------------------------------------------ gate
+
+# Handovers in a row within one process before the holder yields to waiters of other
+# clients (when one flagged itself): a bound on how long other processes wait.
+_HANDOVER_STREAK = 4
+
+
+class _Contender:
+    """One blocked acquire of a plain lock: its token and lease, what wakes it, and a
+    grant handed over by a holder of the same client."""
+
+    __slots__ = ("grant", "lease_ms", "left", "polite", "promoted", "token", "trying", "waiter")
+
+    def __init__(self, token: bytes, lease_ms: int, key: bytes) -> None:
+        self.token = token
+        self.lease_ms = lease_ms
+        self.waiter = Waiter(key)  # replaced by the release listener's waiter, if any
+        self.promoted: asyncio.Future[bool] | None = None
+        self.grant: tuple[int, float] | None = None  # (fence, sent) of a handover
+        self.trying = False  # an attempt is in flight
+        # Its client's holder just yielded to other clients: let the signal of that
+        # release pass, and try on the next one (or after the usual delay).
+        self.polite = False
+        self.left = False
+
+
+class _Gate:
+    """The blocked acquires of one lock name on one client and event loop: only the
+    first (``contender``) tries on the server; the others queue here, so that a hot
+    name costs one waiter per process, not one per task; and a release by a holder
+    of this client hands the lock straight to the contender (one round trip for a
+    release and a grant, no signal, no race)."""
+
+    __slots__ = ("contender", "loop", "queue", "streak")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.contender: _Contender | None = None
+        self.queue: collections.deque[_Contender] = collections.deque()
+        self.streak = 0  # handovers in a row
+
+    def leave(self, contender: _Contender, acquired: bool) -> None:
+        """``contender`` stops trying (it holds the lock, gave up or failed): the next
+        in line becomes the contender; told to wait for a handover first if the lock
+        is held here."""
+        contender.left = True
+        if self.contender is not contender:
+            with contextlib.suppress(ValueError):
+                self.queue.remove(contender)
+            return
+        self.contender = None
+        while self.queue:
+            following = self.queue.popleft()
+            if following.left or following.promoted is None or following.promoted.done():
+                continue
+            self.contender = following
+            following.promoted.set_result(acquired)
+            return
+
+
+_GATES: weakref.WeakKeyDictionary[Any, dict[bytes, _Gate]] = weakref.WeakKeyDictionary()
+
+
+def _gate_for(client: Redis | RedisCluster, key: bytes, *, create: bool) -> _Gate | None:
+    loop = asyncio.get_running_loop()
+    gates = _GATES.get(client)
+    if gates is None:
+        if not create:
+            return None
+        gates = _GATES[client] = {}
+    gate = gates.get(key)
+    if gate is not None and gate.loop is not loop:
+        gate = None
+    if gate is None and create:
+        gate = gates[key] = _Gate(loop)
+    return gate
+
+
+def _forget_gate(client: Redis | RedisCluster, key: bytes, gate: _Gate) -> None:
+    gates = _GATES.get(client)
+    if gates is not None and gates.get(key) is gate and gate.contender is None and not gate.queue:
+        del gates[key]
 
 
 # ------------------------------------------------------------------------------ Lock
@@ -500,6 +616,56 @@ class Lock(RedisLock):
         if not self.reentrant and token != self.local.token:
             self._spawn(self._release_call(token), "cleanup")
 
+    async def _hand_over(self, token: bytes) -> int | None:
+        """Release by handing the lock to this client's contender for it, if one
+        waits: 0 when done (handed over, or released because other clients wait),
+        -1 when ``token`` does not hold the lock, None when nobody here waits."""
+        gate = _gate_for(self.redis, self._key, create=False)
+        if gate is None:
+            return None
+        following = gate.contender
+        if (
+            following is None
+            or following.trying
+            or following.left
+            or following.grant is not None
+            or (following.promoted is not None and not following.promoted.done())
+            or following.token == token
+        ):
+            return None
+        yield_turn = gate.streak >= _HANDOVER_STREAK
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        following.trying = True  # nobody else hands it over meanwhile
+        try:
+            keys = [self._key, self._fence_key, self._flag_key]
+            args = [
+                token,
+                following.token,
+                self._fence_memory_ms,
+                following.lease_ms,
+                "1" if yield_turn else "0",
+                RELEASE_CHANNEL,
+            ]
+            reply = await self._eval(_HANDOVER, keys, args)
+        finally:
+            following.trying = False
+        status = int(reply[0])
+        if status != 1:
+            if status == 0:
+                gate.streak = 0
+                following.polite = True
+            return status
+        # A yield check that found no other client waiting starts a new streak.
+        gate.streak = 1 if yield_turn else gate.streak + 1
+        if following.left:
+            # It gave up while the handover was on its way: release its grant.
+            self._spawn(self._release_call(following.token), "release an unclaimed handover")
+        else:
+            following.grant = (int(reply[1]), sent)
+            following.waiter.event.set()
+        return 0
+
     async def _release_call(self, token: bytes) -> int:
         """One release of ``token`` on the server: the holds left, -1 if not held."""
         keys = [self._key, self._flag_key]
@@ -558,7 +724,10 @@ class Lock(RedisLock):
         ``token``: the value to hold the lock with (default: a random one; a
         reentrant lock uses one per task). While blocked, the attempt is repeated
         when a release of this lock is signalled, when the holder's lease runs out,
-        and at the latest every ``sleep`` seconds (jittered by ±50%).
+        and at the latest every ``sleep`` seconds (jittered by ±50%). Blocked
+        acquires of a plain lock on one client queue in the process, one of them
+        trying on the server, and a release through the same client hands the lock
+        to it directly.
         """
         if token is not None:
             raw = self._encode(token)
@@ -568,13 +737,64 @@ class Lock(RedisLock):
             blocking = self.blocking
         if blocking_timeout is None:
             blocking_timeout = self.blocking_timeout
+        if not blocking:
+            got, _ = await self._try(raw)
+            return got
         loop = asyncio.get_running_loop()
         deadline = None if blocking_timeout is None else loop.time() + blocking_timeout
+        if self.reentrant:
+            return await self._wait_for_lock(raw, deadline, None, None)
+        gate = _gate_for(self.redis, self._key, create=True)
+        assert gate is not None
+        contender = _Contender(raw, self._lease_ms, self._key)
+        acquired = False
+        try:
+            held_here = False
+            if gate.contender is None:
+                gate.contender = contender
+            else:
+                # In line behind this client's contender: no server call until first.
+                contender.promoted = loop.create_future()
+                gate.queue.append(contender)
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        held_here = await contender.promoted
+                except TimeoutError:
+                    return False
+            acquired = await self._wait_for_lock(raw, deadline, contender, held_here)
+            return acquired
+        finally:
+            if not acquired and contender.grant is not None:
+                # Handed the lock while giving up: give it back.
+                contender.grant = None
+                self._spawn(self._release_call(raw), "undo a handover")
+            gate.leave(contender, acquired)
+            _forget_gate(self.redis, self._key, gate)
+
+    def _take_grant(self, contender: _Contender | None) -> bool:
+        if contender is None or contender.grant is None:
+            return False
+        fence, sent = contender.grant
+        contender.grant = None
+        self._granted(contender.token, fence, sent)
+        return True
+
+    async def _wait_for_lock(
+        self,
+        raw: bytes,
+        deadline: float | None,
+        contender: _Contender | None,
+        held_here: bool | None,
+    ) -> bool:
+        """Try until granted (by an attempt, or handed over to ``contender``) or past
+        ``deadline``. ``held_here``: a holder of this client is expected to hand the
+        lock over, so wait (up to ``sleep``) before the first attempt."""
+        loop = asyncio.get_running_loop()
         listener: ReleaseListener | None = None
         waiter: Waiter | None = None
         acquired = False
         try:
-            if blocking and self.release_signal:
+            if self.release_signal:
                 # A live subscription costs nothing to join: join before the first
                 # attempt so that no release after it goes unnoticed.
                 listener = listener_for(self.redis, create=False)
@@ -582,14 +802,38 @@ class Lock(RedisLock):
                     waiter = await listener.register(self._key, 0)
                 else:
                     listener = None
+            if contender is not None:
+                if waiter is not None:
+                    contender.waiter = waiter
+                if held_here:
+                    delay = self.sleep * random.uniform(0.5, 1.5)
+                    if deadline is not None:
+                        delay = min(delay, deadline - loop.time())
+                    await contender.waiter.wait(delay)
             while True:
+                if self._take_grant(contender):
+                    acquired = True
+                    return True
                 flag = "0"
-                if blocking and self.release_signal:
+                if self.release_signal:
                     others = listener is not None and waiter is not None and listener.others(waiter)
                     flag = "2" if others else "1"
-                acquired, pttl = await self._try(raw, flag)
-                if acquired or not blocking:
-                    return acquired
+                if contender is not None:
+                    contender.trying = True
+                try:
+                    acquired, pttl = await self._try(raw, flag)
+                finally:
+                    if contender is not None:
+                        contender.trying = False
+                if acquired:
+                    if contender is not None and contender.grant is not None:
+                        # Both: an attempt that found the lock handed over cannot
+                        # win, so this cannot happen; keep the grant just in case.
+                        contender.grant = None
+                    return True
+                if self._take_grant(contender):
+                    acquired = True
+                    return True
                 left = math.inf if deadline is None else deadline - loop.time()
                 if left <= 0:
                     return False
@@ -600,6 +844,10 @@ class Lock(RedisLock):
                     waiter = None
                     if listener is not None:
                         waiter = await listener.register(self._key, min(READY_TIMEOUT_S, left))
+                        if contender is not None:
+                            if contender.waiter.event.is_set():
+                                waiter.event.set()  # a handover came meanwhile
+                            contender.waiter = waiter
                         if listener.subscribed:
                             # A release between the failed attempt and the
                             # subscription sent a signal nobody saw: look again.
@@ -610,7 +858,15 @@ class Lock(RedisLock):
                     delay = min(delay, pttl / 1000 + random.uniform(0, min(self.sleep, 0.05)))
                 if deadline is not None:
                     delay = min(delay, deadline - loop.time())
-                if waiter is not None:
+                if contender is not None:
+                    await contender.waiter.wait(delay)
+                    if contender.polite and contender.grant is None:
+                        contender.polite = False
+                        delay = self.sleep * random.uniform(0.5, 1.5)
+                        if deadline is not None:
+                            delay = min(delay, deadline - loop.time())
+                        await contender.waiter.wait(delay)
+                elif waiter is not None:
                     await waiter.wait(delay)
                 else:
                     await asyncio.sleep(delay)
@@ -657,7 +913,9 @@ class Lock(RedisLock):
             )
 
     async def _release_and_settle(self, token: bytes) -> None:
-        left = await self._release_call(token)
+        left = await self._hand_over(token) if not self.reentrant else None
+        if left is None:
+            left = await self._release_call(token)
         if self.local.token == token:  # unless this object was acquired again meanwhile
             if left < 0:
                 self.lost.set()
