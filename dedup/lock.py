@@ -12,24 +12,28 @@ the token, and raises redis-py's ``LockError`` / ``LockNotOwnedError`` (as
   never forgets a token that still holds it (the server call is shielded and its
   outcome is settled when it arrives);
 * ``watchdog=True``: the lease is renewed every third of ``timeout`` while the
-  holding task lives; it stops on release, when that task ends, after
-  ``watchdog_cap_s``, or when a renewal fails, and ``lock.lost`` is then set;
+  holding task lives (until the first renewal is due it is only a timer); it
+  stops on release, when that task ends, after ``watchdog_cap_s``, or when a
+  renewal fails, and ``lock.lost`` is then set;
 * ``reentrant=True``: the same task may acquire again, through this object or any
   other Lock of the same name; the key is then a hash ``owner, count, fence`` and
   the lock is free when the count is back to zero;
 * ``lock.fence``: a number strictly greater than every fence handed out before for
   this name, for the protected resource to reject a late writer with
   :func:`check_fence` (PostgreSQL) or :func:`fenced_set` (Redis);
-* waiting without hammering Redis: a release publishes the lock's name on one
-  channel, each client (connection pool) holds one subscription for all its
-  waiters, and a waiter also wakes when the holder's lease runs out; polling every
-  ``sleep`` (jittered) stays as the fallback.
+* waiting without hammering Redis: blocked acquires of one name on one client queue
+  in the process, one of them trying on the server, and a release through that
+  client hands the lock to it in one script; a waiter's failed attempt flags the
+  lock, and a release that finds the flag publishes the lock's name on one channel;
+  each client (connection pool) holds one subscription for all its waiters, and a
+  waiter also wakes when the holder's lease runs out; polling every ``sleep``
+  (jittered) stays as the fallback.
 
-Fences: ``max(last fence + 1, server time in microseconds)``, computed by the
-acquire script from ``TIME``. The last fence is kept in ``<name>:fence`` for
-``fence_memory_s`` only (no key per name lives forever): the clock part keeps
-fences growing after that key expired or Redis restarted empty, the counter part
-keeps them growing if the server's clock steps back by less than that memory.
+Fences: an ``INCR`` of ``<name>:fence`` inside the acquire script; a missing
+counter starts from the server time in microseconds and lives ``fence_memory_s``
+(no key per name lives forever): the clock keeps fences growing after that key
+expired or Redis restarted empty, the counter keeps them growing if the server's
+clock steps back by less than that memory. Every script runs on Redis 6.0.
 
 :class:`Redlock` (multi-master) lives in :mod:`dedup.redlock`, the fence helpers in
 :mod:`dedup.fence` and the release listener in :mod:`dedup._release`; the public names
