@@ -1,11 +1,14 @@
 """Lock throughput under contention: dedup.lock.Lock against redis-py's Lock, one run.
 
     .venv/bin/python bench/lock_bench.py [--processes 4] [--tasks 4] [--seconds 3]
-                                         [--names 1] [--hold-ms 0]
+                                         [--names 1,1000] [--hold-ms 0] [--redlock-nodes 5]
 
-Starts its own redis-server (see dedup.servers). For each variant, ``processes``
-OS processes with ``tasks`` asyncio tasks each loop acquire + release on the same
-``names`` lock names for ``seconds``; every task has its own Lock object. Printed
+Starts its own redis-servers (see dedup.servers). For each shape (a number of lock
+names) and variant, ``processes`` OS processes with ``tasks`` asyncio tasks each
+loop acquire + release for ``seconds``, each acquisition on a name drawn at random
+from the shape's names; every task has its own Lock object per name. Then, over
+``redlock-nodes`` servers and the last shape's names: dedup's Redlock against
+taking one dedup Lock on every node (in parallel) and releasing them. Printed
 per variant: acquisitions per second; requests the clients sent per acquisition
 (round trips: the acquire, the release, and every failed attempt or poll);
 commands the server ran per acquisition (INFO ``total_commands_processed``, which
@@ -18,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import random
 import shlex
 import statistics
 import subprocess
@@ -30,7 +35,7 @@ from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from redis.asyncio.lock import Lock as RedisLock
 
-from dedup.lock import Lock
+from dedup.lock import Lock, Redlock
 from dedup.servers import RedisServer
 
 # (label, lock class, keyword arguments of the Lock)
@@ -39,6 +44,12 @@ VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     ("redis-py Lock, sleep=0.001", "redis-py", {"sleep": 0.001}),
     ("dedup Lock, sleep=0.1 (default)", "dedup", {"sleep": 0.1}),
     ("dedup Lock, sleep=1.0", "dedup", {"sleep": 1.0}),
+]
+REDLOCK_VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
+    # The nodes start with the run: their uptime is below the TTL, so the restart
+    # guard would make every node abstain.
+    ("dedup Redlock (restart_guard off)", "redlock", {"timeout": 10, "restart_guard": False}),
+    ("N x dedup Lock, in parallel", "n-locks", {"timeout": 10}),
 ]
 
 START_TIMEOUT_S = 60.0
@@ -59,22 +70,53 @@ class _CountingRedis(Redis):
         return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
 
 
+class _NLocks:
+    """One dedup Lock per node, taken in parallel: the yardstick for a Redlock."""
+
+    def __init__(self, clients: list[Redis], name: str, **options: Any) -> None:
+        self._locks = [Lock(client, name, **options) for client in clients]
+
+    async def acquire(self, blocking_timeout: float) -> bool:
+        got = await asyncio.gather(
+            *(lk.acquire(blocking_timeout=blocking_timeout) for lk in self._locks)
+        )
+        if all(got):
+            return True
+        await asyncio.gather(*(lk.release() for lk, ok in zip(self._locks, got, strict=True) if ok))
+        return False
+
+    async def release(self) -> None:
+        await asyncio.gather(*(lk.release() for lk in self._locks))
+
+
 async def _child(job: dict[str, Any]) -> None:
-    cls = Lock if job["cls"] == "dedup" else RedisLock
-    redis = _CountingRedis.from_url(job["url"])
+    clients = [_CountingRedis.from_url(url) for url in job["urls"]]
+    redis = clients[0]
+
+    def make(name: str) -> Any:
+        if job["cls"] == "redlock":
+            return Redlock(clients, name, **job["options"])
+        if job["cls"] == "n-locks":
+            return _NLocks(clients, name, **job["options"])
+        cls = Lock if job["cls"] == "dedup" else RedisLock
+        return cls(redis, name, **job["options"])
+
     try:
         print("READY", flush=True)
         await asyncio.to_thread(sys.stdin.readline)
         stop_at = time.monotonic() + job["seconds"]
         waits: list[float] = []
 
-        async def worker(index: int) -> None:
-            name = f"bench:{index % job['names']}"
-            lock = cls(redis, name, **job["options"])
+        async def worker() -> None:
+            locks: dict[str, Any] = {}
             while True:
                 left = stop_at - time.monotonic()
                 if left <= 0:
                     return
+                name = f"bench:{random.randrange(job['names'])}"
+                lock = locks.get(name)
+                if lock is None:
+                    lock = locks[name] = make(name)
                 started = time.monotonic()
                 if not await lock.acquire(blocking_timeout=left):
                     return
@@ -84,10 +126,11 @@ async def _child(job: dict[str, Any]) -> None:
                 await lock.release()
 
         _CountingRedis.requests = 0
-        await asyncio.gather(*(worker(i) for i in range(job["tasks"])))
+        await asyncio.gather(*(worker() for _ in range(job["tasks"])))
         print(json.dumps({"waits": waits, "requests": _CountingRedis.requests}), flush=True)
     finally:
-        await redis.aclose()
+        for client in clients:
+            await client.aclose()
 
 
 # --------------------------------------------------------------------------- parent
@@ -103,15 +146,15 @@ def _commands(url: str) -> int:
 
 
 def _run_variant(
-    url: str, args: argparse.Namespace, cls: str, options: dict[str, Any]
+    urls: list[str], args: argparse.Namespace, names: int, cls: str, options: dict[str, Any]
 ) -> dict[str, Any]:
     job = {
-        "url": url,
+        "urls": urls,
         "cls": cls,
         "options": options,
         "seconds": args.seconds,
         "tasks": args.tasks,
-        "names": args.names,
+        "names": names,
         "hold_ms": args.hold_ms,
     }
     procs = [
@@ -128,7 +171,7 @@ def _run_variant(
             assert proc.stdout is not None
             if proc.stdout.readline().strip() != "READY":
                 raise RuntimeError(f"a benchmark child failed to start ({cls})")
-        before = _commands(url)
+        before = sum(_commands(url) for url in urls)
         started = time.monotonic()
         for proc in procs:
             assert proc.stdin is not None
@@ -144,7 +187,7 @@ def _run_variant(
             waits += result["waits"]
             requests += result["requests"]
         elapsed = time.monotonic() - started
-        commands = _commands(url) - before
+        commands = sum(_commands(url) for url in urls) - before
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -182,7 +225,12 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=4, help="OS processes (default 4)")
     parser.add_argument("--tasks", type=int, default=4, help="asyncio tasks per process (4)")
     parser.add_argument("--seconds", type=float, default=3.0, help="duration per variant (3)")
-    parser.add_argument("--names", type=int, default=1, help="distinct lock names (1)")
+    parser.add_argument(
+        "--names", default="1,1000", help="shapes: distinct lock names, comma-separated (1,1000)"
+    )
+    parser.add_argument(
+        "--redlock-nodes", type=int, default=5, help="servers for the Redlock rows (5; 0: none)"
+    )
     parser.add_argument("--hold-ms", type=float, default=0.0, help="time held per acquire (0)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -190,16 +238,36 @@ def main() -> None:
         asyncio.run(_child(json.loads(args.child)))
         return
     command = shlex.join([sys.executable, *sys.argv])
-    rows: list[tuple[str, dict[str, Any]]] = []
-    with RedisServer() as server:
-        for label, cls, options in VARIANTS:
-            rows.append((label, _run_variant(server.url, args, cls, options)))
+    shapes = [int(n) for n in args.names.split(",")]
     print(
-        f"{args.processes} processes x {args.tasks} tasks on {args.names} lock name(s), "
+        f"{args.processes} processes x {args.tasks} tasks, "
         f"{args.seconds:g} s per variant, hold {args.hold_ms:g} ms"
     )
-    print(_table(rows))
-    print(f"command: {command}")
+    with RedisServer() as server:
+        for names in shapes:
+            rows = [
+                (label, _run_variant([server.url], args, names, cls, options))
+                for label, cls, options in VARIANTS
+            ]
+            print(f"\n{names} lock name(s)")
+            print(_table(rows))
+    if args.redlock_nodes > 0:
+        with contextlib.ExitStack() as stack:
+            servers = [stack.enter_context(RedisServer()) for _ in range(args.redlock_nodes)]
+            urls = [server.url for server in servers]
+            rows = [
+                (
+                    label.replace("N x", f"{len(urls)} x"),
+                    _run_variant(urls, args, shapes[-1], cls, options),
+                )
+                for label, cls, options in REDLOCK_VARIANTS
+            ]
+        print(
+            f"\n{args.redlock_nodes} nodes, {shapes[-1]} lock name(s), timeout 10 s; "
+            "commands summed over the nodes"
+        )
+        print(_table(rows))
+    print(f"\ncommand: {command}")
 
 
 if __name__ == "__main__":

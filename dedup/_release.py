@@ -84,6 +84,10 @@ class ReleaseListener:
                     await self._settled.wait()
         return waiter
 
+    def others(self, waiter: Waiter) -> bool:
+        """True if other waiters of ``waiter``'s lock wait here."""
+        return len(self._waiters.get(waiter.key, ())) > 1
+
     def unregister(self, waiter: Waiter, *, handoff: bool) -> None:
         """Forget ``waiter``; with ``handoff``, pass an unconsumed signal to the next one."""
         waiters = self._waiters.get(waiter.key)

@@ -18,7 +18,14 @@ from redis.crc import key_slot
 from dedup.errors import InvalidInput, StaleFence
 from dedup.scripts import Script
 
-__all__ = ["FENCED_SET", "FENCE_CHECK_SQL", "check_fence", "fence_key", "fenced_set"]
+__all__ = [
+    "FENCED_SET",
+    "FENCE_CHECK_SQL",
+    "check_fence",
+    "fence_key",
+    "fenced_set",
+    "sibling_key",
+]
 
 FENCED_SET = """
 -- KEYS[1]: the protected key, a hash: value, fence
@@ -96,8 +103,14 @@ async def fenced_set(
 def fence_key(key: bytes) -> bytes:
     """The fence counter's key, in the lock's hash slot so that one script may touch
     both on Redis Cluster: ``<key>:fence`` if the key has a hash tag, else ``{<key>}:fence``."""
+    return sibling_key(key, b":fence")
+
+
+def sibling_key(key: bytes, suffix: bytes) -> bytes:
+    """A key named after ``key`` plus ``suffix``, in the same hash slot when possible:
+    ``<key><suffix>`` if the key has a hash tag, else ``{<key>}<suffix>``."""
     slot = key_slot(key)
-    for candidate in (key + b":fence", b"{" + key + b"}:fence"):
+    for candidate in (key + suffix, b"{" + key + b"}" + suffix):
         if key_slot(candidate) == slot:
             return candidate
-    return key + b":fence"  # a key with an empty tag ("{}"): one slot is not possible
+    return key + suffix  # a key with an empty tag ("{}"): one slot is not possible

@@ -12,24 +12,28 @@ the token, and raises redis-py's ``LockError`` / ``LockNotOwnedError`` (as
   never forgets a token that still holds it (the server call is shielded and its
   outcome is settled when it arrives);
 * ``watchdog=True``: the lease is renewed every third of ``timeout`` while the
-  holding task lives; it stops on release, when that task ends, after
-  ``watchdog_cap_s``, or when a renewal fails, and ``lock.lost`` is then set;
+  holding task lives (until the first renewal is due it is only a timer); it
+  stops on release, when that task ends, after ``watchdog_cap_s``, or when a
+  renewal fails, and ``lock.lost`` is then set;
 * ``reentrant=True``: the same task may acquire again, through this object or any
   other Lock of the same name; the key is then a hash ``owner, count, fence`` and
   the lock is free when the count is back to zero;
 * ``lock.fence``: a number strictly greater than every fence handed out before for
   this name, for the protected resource to reject a late writer with
   :func:`check_fence` (PostgreSQL) or :func:`fenced_set` (Redis);
-* waiting without hammering Redis: a release publishes the lock's name on one
-  channel, each client (connection pool) holds one subscription for all its
-  waiters, and a waiter also wakes when the holder's lease runs out; polling every
-  ``sleep`` (jittered) stays as the fallback.
+* waiting without hammering Redis: blocked acquires of one name on one client queue
+  in the process, one of them trying on the server, and a release through that
+  client hands the lock to it in one script; a waiter's failed attempt flags the
+  lock, and a release that finds the flag publishes the lock's name on one channel;
+  each client (connection pool) holds one subscription for all its waiters, and a
+  waiter also wakes when the holder's lease runs out; polling every ``sleep``
+  (jittered) stays as the fallback.
 
-Fences: ``max(last fence + 1, server time in microseconds)``, computed by the
-acquire script from ``TIME``. The last fence is kept in ``<name>:fence`` for
-``fence_memory_s`` only (no key per name lives forever): the clock part keeps
-fences growing after that key expired or Redis restarted empty, the counter part
-keeps them growing if the server's clock steps back by less than that memory.
+Fences: an ``INCR`` of ``<name>:fence`` inside the acquire script; a missing
+counter starts from the server time in microseconds and lives ``fence_memory_s``
+(no key per name lives forever): the clock keeps fences growing after that key
+expired or Redis restarted empty, the counter keeps them growing if the server's
+clock steps back by less than that memory. Every script runs on Redis 6.0.
 
 :class:`Redlock` (multi-master) lives in :mod:`dedup.redlock`, the fence helpers in
 :mod:`dedup.fence` and the release listener in :mod:`dedup._release`; the public names
@@ -40,6 +44,8 @@ of the first two are re-exported here. Bad options raise :class:`dedup.errors.Co
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 import math
 import random
@@ -57,7 +63,7 @@ from redis.exceptions import RedisError
 
 from dedup._release import READY_TIMEOUT_S, RELEASE_CHANNEL, ReleaseListener, Waiter, listener_for
 from dedup.errors import ConfigError, LockError, LockNotOwned
-from dedup.fence import FENCE_CHECK_SQL, FENCED_SET, check_fence, fence_key, fenced_set
+from dedup.fence import FENCE_CHECK_SQL, FENCED_SET, check_fence, fence_key, fenced_set, sibling_key
 from dedup.redlock import Redlock
 from dedup.scripts import Script
 
@@ -68,10 +74,12 @@ __all__ = [
     "EXTEND",
     "FENCED_SET",
     "FENCE_CHECK_SQL",
+    "HANDOVER",
     "OWNER",
     "REACQUIRE",
     "RELEASE",
     "RELEASE_CHANNEL",
+    "RELEASE_PLAIN",
     "Lock",
     "Redlock",
     "check_fence",
@@ -95,22 +103,38 @@ local function owner_of(key)
 end
 """
 
-# The next fence of KEYS[2]: above the last one remembered and at least the server
-# time in microseconds (exact in a Lua double up to 2^53, i.e. until year 2255).
-# '%.0f' because tostring() would write 1.7e+15.
+# The next fence of KEYS[2], at least 1 above the last one while the counter lives:
+# one INCR. A missing counter (first grant, expired, or Redis restarted empty) starts
+# again from the server time in microseconds, with an expiry of ARGV[3] ms set then
+# only, so that INCR alone serves every other grant. Grants of one name come far
+# slower than one per microsecond, so a counter stays below the clock and the restart
+# value is above every fence before it. '%.0f' because tostring() would write 1.7e+15;
+# doubles are exact up to 2^53 (year 2255).
 _NEXT_FENCE = """
-local now = redis.call('TIME')
-local fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
-local last = tonumber(redis.call('GET', KEYS[2]) or '0')
-if fence <= last then fence = last + 1 end
-redis.call('SET', KEYS[2], string.format('%.0f', fence), 'PX', ARGV[3])
+local fence = redis.call('INCR', KEYS[2])
+if fence == 1 then
+  local now = redis.call('TIME')
+  fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  redis.call('SET', KEYS[2], string.format('%.0f', fence), 'PX', ARGV[3])
+end
+"""
+
+# A failed attempt of a waiter leaves a flag (KEYS[3]) so that the release that frees
+# the lock knows to publish; the release deletes it with the lock in one DEL. A grant
+# leaves it too when other waiters of the same client did not try this time
+# (ARGV[4] '2'): they wait for the signal of this holder's release.
+_FLAG_WAITER = """
+if ARGV[4] ~= '0' then redis.call('SET', KEYS[3], '1', 'PX', ARGV[3]) end
 """
 
 ACQUIRE = (
     """
--- KEYS[1]: the lock (a string holding the token); KEYS[2]: its fence counter
+-- KEYS[1]: the lock (a string holding the token); KEYS[2]: its fence counter;
+--   KEYS[3]: its "someone waits" flag
 -- ARGV[1]: the token; ARGV[2]: the lease in ms, 0 = no expiry;
---   ARGV[3]: how long the fence counter outlives this grant, in ms
+--   ARGV[3]: how long the fence counter (and a waiter flag) live, in ms;
+--   ARGV[4]: '1' = the caller will wait for a release if the lock is held, '2' = and
+--   others wait, flag even a grant, '0' = nobody waits
 -- Returns: {1, fence} when the lock was free and is now held by the token;
 --   {0, pttl} when it is held (pttl -1: the holder's lease has no expiry)
 local ok
@@ -119,7 +143,17 @@ if ARGV[2] == '0' then
 else
   ok = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
 end
-if not ok then return {0, redis.call('PTTL', KEYS[1])} end
+if not ok then
+"""
+    + _FLAG_WAITER
+    + """
+  return {0, redis.call('PTTL', KEYS[1])}
+end
+if ARGV[4] == '2' then
+"""
+    + _FLAG_WAITER
+    + """
+end
 """
     + _NEXT_FENCE
     + """
@@ -129,9 +163,12 @@ return {1, fence}
 
 ACQUIRE_REENTRANT = (
     """
--- KEYS[1]: the lock (a hash: owner, count, fence); KEYS[2]: its fence counter
+-- KEYS[1]: the lock (a hash: owner, count, fence); KEYS[2]: its fence counter;
+--   KEYS[3]: its "someone waits" flag
 -- ARGV[1]: the owner (one token per task); ARGV[2]: the lease in ms, 0 = no expiry;
---   ARGV[3]: how long the fence counter outlives this grant, in ms
+--   ARGV[3]: how long the fence counter (and a waiter flag) live, in ms;
+--   ARGV[4]: '1' = the caller will wait for a release if the lock is held, '2' = and
+--   others wait, flag even a new grant, '0' = nobody waits
 -- Returns: {1, fence, count} when the owner holds it now (count 1: a new grant, the
 --   fence is new; count > 1: a re-entry, the fence is the grant's);
 --   {0, pttl, 0} when another owner holds it (pttl -1: no expiry)
@@ -145,7 +182,17 @@ if kind == 'hash' and redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   end
   return {1, tonumber(redis.call('HGET', KEYS[1], 'fence')), n}
 end
-if kind ~= 'none' then return {0, redis.call('PTTL', KEYS[1]), 0} end
+if kind ~= 'none' then
+"""
+    + _FLAG_WAITER
+    + """
+  return {0, redis.call('PTTL', KEYS[1]), 0}
+end
+if ARGV[4] == '2' then
+"""
+    + _FLAG_WAITER
+    + """
+end
 """
     + _NEXT_FENCE
     + """
@@ -155,12 +202,23 @@ return {1, fence, 1}
 """
 )
 
+RELEASE_PLAIN = """
+-- KEYS[1]: the lock (a string holding the token); KEYS[2]: its "someone waits" flag
+-- ARGV[1]: the token; ARGV[2]: the release channel
+-- Returns: -1 when the token does not hold the lock; 0 when the lock is free now
+--   (and, if a waiter flagged itself, its name is published on ARGV[2])
+-- pcall: a reentrant lock's hash under this name is simply not ours.
+if redis.pcall('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+if redis.call('DEL', KEYS[1], KEYS[2]) > 1 then redis.call('PUBLISH', ARGV[2], KEYS[1]) end
+return 0
+"""
+
 RELEASE = """
--- KEYS[1]: the lock (string or reentrant hash)
+-- KEYS[1]: the lock (string or reentrant hash); KEYS[2]: its "someone waits" flag
 -- ARGV[1]: the token; ARGV[2]: the release channel
 -- Returns: -1 when the token does not hold the lock; otherwise the holds left:
---   0 = the lock is free now (deleted, and its name published on ARGV[2] so that
---   waiters wake), n > 0 = a reentrant owner still holds it n times
+--   0 = the lock is free now (deleted, and, if a waiter flagged itself, its name
+--   published on ARGV[2]), n > 0 = a reentrant owner still holds it n times
 local kind = redis.call('TYPE', KEYS[1]).ok
 local left = 0
 if kind == 'string' then
@@ -172,10 +230,38 @@ else
   return -1
 end
 if left > 0 then return left end
-redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[2], KEYS[1])
+if redis.call('DEL', KEYS[1], KEYS[2]) > 1 then redis.call('PUBLISH', ARGV[2], KEYS[1]) end
 return 0
 """
+
+HANDOVER = (
+    """
+-- KEYS[1]: the lock (a string holding the token); KEYS[2]: its fence counter;
+--   KEYS[3]: its "someone waits" flag
+-- ARGV[1]: the holder's token; ARGV[2]: the next holder's token (a waiter of the same
+--   client); ARGV[3]: how long the fence counter lives, in ms; ARGV[4]: the next
+--   holder's lease in ms, 0 = no expiry; ARGV[5]: '1' = yield instead if a waiter of
+--   another client flagged itself; ARGV[6]: the release channel
+-- Returns: {1, fence} when the lock is now held by ARGV[2] (a new grant, with a new
+--   fence); {0} when it was released instead (published, the flag kept, since the
+--   next holder waits too); {-1} when ARGV[1] does not hold the lock
+if redis.pcall('GET', KEYS[1]) ~= ARGV[1] then return {-1} end
+if ARGV[5] == '1' and redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[6], KEYS[1])
+  return {0}
+end
+if ARGV[4] == '0' then
+  redis.call('SET', KEYS[1], ARGV[2])
+else
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[4])
+end
+"""
+    + _NEXT_FENCE
+    + """
+return {1, fence}
+"""
+)
 
 EXTEND = (
     """
@@ -223,7 +309,8 @@ return owner_of(KEYS[1])
 )
 
 _ACQUIRE, _ACQUIRE_REENTRANT = Script(ACQUIRE), Script(ACQUIRE_REENTRANT)
-_RELEASE, _EXTEND, _REACQUIRE = Script(RELEASE), Script(EXTEND), Script(REACQUIRE)
+_RELEASE, _RELEASE_PLAIN = Script(RELEASE), Script(RELEASE_PLAIN)
+_EXTEND, _REACQUIRE, _HANDOVER = Script(EXTEND), Script(REACQUIRE), Script(HANDOVER)
 _OWNER = Script(OWNER)
 
 
@@ -245,6 +332,90 @@ def _task_token() -> bytes:
     if token is None:
         token = _TASK_TOKENS[task] = _new_token()
     return token
+
+
+# ------------------------------------------------------------------------------ gate
+
+# Handovers in a row within one process before the holder yields to waiters of other
+# clients (when one flagged itself): a bound on how long other processes wait.
+_HANDOVER_STREAK = 4
+
+
+class _Contender:
+    """One blocked acquire of a plain lock: its token and lease, what wakes it, and a
+    grant handed over by a holder of the same client."""
+
+    __slots__ = ("grant", "lease_ms", "left", "polite", "promoted", "token", "trying", "waiter")
+
+    def __init__(self, token: bytes, lease_ms: int, key: bytes) -> None:
+        self.token = token
+        self.lease_ms = lease_ms
+        self.waiter = Waiter(key)  # replaced by the release listener's waiter, if any
+        self.promoted: asyncio.Future[bool] | None = None
+        self.grant: tuple[int, float] | None = None  # (fence, sent) of a handover
+        self.trying = False  # an attempt is in flight
+        # Its client's holder just yielded to other clients: let the signal of that
+        # release pass, and try on the next one (or after the usual delay).
+        self.polite = False
+        self.left = False
+
+
+class _Gate:
+    """The blocked acquires of one lock name on one client and event loop: only the
+    first (``contender``) tries on the server; the others queue here, so that a hot
+    name costs one waiter per process, not one per task; and a release by a holder
+    of this client hands the lock straight to the contender (one round trip for a
+    release and a grant, no signal, no race)."""
+
+    __slots__ = ("contender", "loop", "queue", "streak")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.contender: _Contender | None = None
+        self.queue: collections.deque[_Contender] = collections.deque()
+        self.streak = 0  # handovers in a row
+
+    def leave(self, contender: _Contender, acquired: bool) -> None:
+        """``contender`` stops trying (it holds the lock, gave up or failed): the next
+        in line becomes the contender; told to wait for a handover first if the lock
+        is held here."""
+        contender.left = True
+        if self.contender is not contender:
+            with contextlib.suppress(ValueError):
+                self.queue.remove(contender)
+            return
+        self.contender = None
+        while self.queue:
+            following = self.queue.popleft()
+            if following.left or following.promoted is None or following.promoted.done():
+                continue
+            self.contender = following
+            following.promoted.set_result(acquired)
+            return
+
+
+_GATES: weakref.WeakKeyDictionary[Any, dict[bytes, _Gate]] = weakref.WeakKeyDictionary()
+
+
+def _gate_for(client: Redis | RedisCluster, key: bytes, *, create: bool) -> _Gate | None:
+    loop = asyncio.get_running_loop()
+    gates = _GATES.get(client)
+    if gates is None:
+        if not create:
+            return None
+        gates = _GATES[client] = {}
+    gate = gates.get(key)
+    if gate is not None and gate.loop is not loop:
+        gate = None
+    if gate is None and create:
+        gate = gates[key] = _Gate(loop)
+    return gate
+
+
+def _forget_gate(client: Redis | RedisCluster, key: bytes, gate: _Gate) -> None:
+    gates = _GATES.get(client)
+    if gates is not None and gates.get(key) is gate and gate.contender is None and not gate.queue:
+        del gates[key]
 
 
 # ------------------------------------------------------------------------------ Lock
@@ -321,9 +492,15 @@ class Lock(RedisLock):
         self.lost = asyncio.Event()
         self._key = self._encode(name)
         self._fence_key = fence_key(self._key)
+        self._flag_key = sibling_key(self._key, b":waiting")
+        self._fence_memory_ms = math.ceil(fence_memory_s * 1000)
+        self._release_script = _RELEASE if reentrant else _RELEASE_PLAIN
         # At least 1 ms: 0 means "no expiry" to the scripts.
         self._lease_ms = max(1, int(timeout * 1000)) if timeout else 0
         self._depth = 0  # holds through this object (reentrant: per acquire)
+        # The watchdog is a timer until its first renewal is due (most holds end
+        # before), then a task.
+        self._watchdog_timer: asyncio.TimerHandle | None = None
         self._watchdog_task: asyncio.Task[None] | None = None
         self._holder_callback: tuple[asyncio.Task[Any], Callable[[asyncio.Task[Any]], None]] | None
         self._holder_callback = None
@@ -372,6 +549,9 @@ class Lock(RedisLock):
         task.add_done_callback(done)
 
     def _stop_watchdog(self) -> None:
+        if self._watchdog_timer is not None:
+            self._watchdog_timer.cancel()
+            self._watchdog_timer = None
         if self._watchdog_task is not None:
             self._watchdog_task.cancel()
             self._watchdog_task = None
@@ -393,13 +573,16 @@ class Lock(RedisLock):
             self.lost.set()
 
     # ---------------------------------------------------------------- acquire
-    async def _try(self, token: bytes) -> tuple[bool, int]:
-        """One attempt: (True, fence) when granted, else (False, the holder's pttl)."""
+    async def _try(self, token: bytes, waiting: str = "0") -> tuple[bool, int]:
+        """One attempt: (True, fence) when granted, else (False, the holder's pttl).
+        ``waiting``: "1" = the caller waits for a release if it fails (it flags
+        itself), "2" = other waiters of this client wait too (a grant flags them)."""
         loop = asyncio.get_running_loop()
         sent = loop.time()
         script = _ACQUIRE_REENTRANT if self.reentrant else _ACQUIRE
-        args = [token, self._lease_ms, math.ceil(self.fence_memory_s * 1000)]
-        call = asyncio.ensure_future(self._eval(script, [self._key, self._fence_key], args))
+        keys = [self._key, self._fence_key, self._flag_key]
+        args = [token, self._lease_ms, self._fence_memory_ms, waiting]
+        call = asyncio.ensure_future(self._eval(script, keys, args))
         try:
             reply = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -425,7 +608,7 @@ class Lock(RedisLock):
             self._drop_unknown(token)
         elif fut.result()[0] == 1:
             # Exactly this grant: a new lock is deleted, a re-entry is decremented.
-            self._spawn(self._eval(_RELEASE, [self._key], [token, RELEASE_CHANNEL]), "undo")
+            self._spawn(self._release_call(token), "undo")
 
     def _drop_unknown(self, token: bytes) -> None:
         """Delete the lock if an attempt whose outcome is unknown got it.
@@ -435,7 +618,62 @@ class Lock(RedisLock):
         bounds the damage), and a token this object holds is not an orphan.
         """
         if not self.reentrant and token != self.local.token:
-            self._spawn(self._eval(_RELEASE, [self._key], [token, RELEASE_CHANNEL]), "cleanup")
+            self._spawn(self._release_call(token), "cleanup")
+
+    async def _hand_over(self, token: bytes) -> int | None:
+        """Release by handing the lock to this client's contender for it, if one
+        waits: 0 when done (handed over, or released because other clients wait),
+        -1 when ``token`` does not hold the lock, None when nobody here waits."""
+        gate = _gate_for(self.redis, self._key, create=False)
+        if gate is None:
+            return None
+        following = gate.contender
+        if (
+            following is None
+            or following.trying
+            or following.left
+            or following.grant is not None
+            or (following.promoted is not None and not following.promoted.done())
+            or following.token == token
+        ):
+            return None
+        yield_turn = gate.streak >= _HANDOVER_STREAK
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        following.trying = True  # nobody else hands it over meanwhile
+        try:
+            keys = [self._key, self._fence_key, self._flag_key]
+            args = [
+                token,
+                following.token,
+                self._fence_memory_ms,
+                following.lease_ms,
+                "1" if yield_turn else "0",
+                RELEASE_CHANNEL,
+            ]
+            reply = await self._eval(_HANDOVER, keys, args)
+        finally:
+            following.trying = False
+        status = int(reply[0])
+        if status != 1:
+            if status == 0:
+                gate.streak = 0
+                following.polite = True
+            return status
+        # A yield check that found no other client waiting starts a new streak.
+        gate.streak = 1 if yield_turn else gate.streak + 1
+        if following.left:
+            # It gave up while the handover was on its way: release its grant.
+            self._spawn(self._release_call(following.token), "release an unclaimed handover")
+        else:
+            following.grant = (int(reply[1]), sent)
+            following.waiter.event.set()
+        return 0
+
+    async def _release_call(self, token: bytes) -> int:
+        """One release of ``token`` on the server: the holds left, -1 if not held."""
+        keys = [self._key, self._flag_key]
+        return int(await self._eval(self._release_script, keys, [token, RELEASE_CHANNEL]))
 
     def _granted(self, token: bytes, fence: int, sent: float) -> None:
         if self.reentrant and self._depth > 0 and token == self.local.token:
@@ -448,16 +686,30 @@ class Lock(RedisLock):
         self._depth = 1
         self.lost.clear()
         if self.watchdog:
-            watchdog = asyncio.ensure_future(self._watch(token, sent))
-            self._watchdog_task = watchdog
-            holder = asyncio.current_task()
-            if holder is not None:
+            assert self.timeout  # checked in __init__
+            loop = asyncio.get_running_loop()
+            # Nothing else until the first renewal is due: a short hold costs a
+            # timer, cancelled by its release.
+            self._watchdog_timer = loop.call_at(
+                sent + self.timeout / 3, self._start_watchdog, token, sent, asyncio.current_task()
+            )
 
-                def holder_done(_: asyncio.Task[Any]) -> None:
-                    watchdog.cancel()
+    def _start_watchdog(
+        self, token: bytes, granted_at: float, holder: asyncio.Task[Any] | None
+    ) -> None:
+        """The first renewal is due: start renewing, unless the hold is over."""
+        self._watchdog_timer = None
+        if self.local.token != token or (holder is not None and holder.done()):
+            return  # released, or the holding task ended: the lease runs out
+        watchdog = asyncio.ensure_future(self._watch(token, granted_at))
+        self._watchdog_task = watchdog
+        if holder is not None:
 
-                holder.add_done_callback(holder_done)
-                self._holder_callback = (holder, holder_done)
+            def holder_done(_: asyncio.Task[Any]) -> None:
+                watchdog.cancel()
+
+            holder.add_done_callback(holder_done)
+            self._holder_callback = (holder, holder_done)
 
     async def do_acquire(self, token: str | bytes) -> bool:
         """One attempt with ``token`` (redis-py's hook); True when granted."""
@@ -476,7 +728,10 @@ class Lock(RedisLock):
         ``token``: the value to hold the lock with (default: a random one; a
         reentrant lock uses one per task). While blocked, the attempt is repeated
         when a release of this lock is signalled, when the holder's lease runs out,
-        and at the latest every ``sleep`` seconds (jittered by ±50%).
+        and at the latest every ``sleep`` seconds (jittered by ±50%). Blocked
+        acquires of a plain lock on one client queue in the process, one of them
+        trying on the server, and a release through the same client hands the lock
+        to it directly.
         """
         if token is not None:
             raw = self._encode(token)
@@ -486,13 +741,64 @@ class Lock(RedisLock):
             blocking = self.blocking
         if blocking_timeout is None:
             blocking_timeout = self.blocking_timeout
+        if not blocking:
+            got, _ = await self._try(raw)
+            return got
         loop = asyncio.get_running_loop()
         deadline = None if blocking_timeout is None else loop.time() + blocking_timeout
+        if self.reentrant:
+            return await self._wait_for_lock(raw, deadline, None, None)
+        gate = _gate_for(self.redis, self._key, create=True)
+        assert gate is not None
+        contender = _Contender(raw, self._lease_ms, self._key)
+        acquired = False
+        try:
+            held_here = False
+            if gate.contender is None:
+                gate.contender = contender
+            else:
+                # In line behind this client's contender: no server call until first.
+                contender.promoted = loop.create_future()
+                gate.queue.append(contender)
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        held_here = await contender.promoted
+                except TimeoutError:
+                    return False
+            acquired = await self._wait_for_lock(raw, deadline, contender, held_here)
+            return acquired
+        finally:
+            if not acquired and contender.grant is not None:
+                # Handed the lock while giving up: give it back.
+                contender.grant = None
+                self._spawn(self._release_call(raw), "undo a handover")
+            gate.leave(contender, acquired)
+            _forget_gate(self.redis, self._key, gate)
+
+    def _take_grant(self, contender: _Contender | None) -> bool:
+        if contender is None or contender.grant is None:
+            return False
+        fence, sent = contender.grant
+        contender.grant = None
+        self._granted(contender.token, fence, sent)
+        return True
+
+    async def _wait_for_lock(
+        self,
+        raw: bytes,
+        deadline: float | None,
+        contender: _Contender | None,
+        held_here: bool | None,
+    ) -> bool:
+        """Try until granted (by an attempt, or handed over to ``contender``) or past
+        ``deadline``. ``held_here``: a holder of this client is expected to hand the
+        lock over, so wait (up to ``sleep``) before the first attempt."""
+        loop = asyncio.get_running_loop()
         listener: ReleaseListener | None = None
         waiter: Waiter | None = None
         acquired = False
         try:
-            if blocking and self.release_signal:
+            if self.release_signal:
                 # A live subscription costs nothing to join: join before the first
                 # attempt so that no release after it goes unnoticed.
                 listener = listener_for(self.redis, create=False)
@@ -500,10 +806,38 @@ class Lock(RedisLock):
                     waiter = await listener.register(self._key, 0)
                 else:
                     listener = None
+            if contender is not None:
+                if waiter is not None:
+                    contender.waiter = waiter
+                if held_here:
+                    delay = self.sleep * random.uniform(0.5, 1.5)
+                    if deadline is not None:
+                        delay = min(delay, deadline - loop.time())
+                    await contender.waiter.wait(delay)
             while True:
-                acquired, pttl = await self._try(raw)
-                if acquired or not blocking:
-                    return acquired
+                if self._take_grant(contender):
+                    acquired = True
+                    return True
+                flag = "0"
+                if self.release_signal:
+                    others = listener is not None and waiter is not None and listener.others(waiter)
+                    flag = "2" if others else "1"
+                if contender is not None:
+                    contender.trying = True
+                try:
+                    acquired, pttl = await self._try(raw, flag)
+                finally:
+                    if contender is not None:
+                        contender.trying = False
+                if acquired:
+                    if contender is not None and contender.grant is not None:
+                        # Both: an attempt that found the lock handed over cannot
+                        # win, so this cannot happen; keep the grant just in case.
+                        contender.grant = None
+                    return True
+                if self._take_grant(contender):
+                    acquired = True
+                    return True
                 left = math.inf if deadline is None else deadline - loop.time()
                 if left <= 0:
                     return False
@@ -514,6 +848,10 @@ class Lock(RedisLock):
                     waiter = None
                     if listener is not None:
                         waiter = await listener.register(self._key, min(READY_TIMEOUT_S, left))
+                        if contender is not None:
+                            if contender.waiter.event.is_set():
+                                waiter.event.set()  # a handover came meanwhile
+                            contender.waiter = waiter
                         if listener.subscribed:
                             # A release between the failed attempt and the
                             # subscription sent a signal nobody saw: look again.
@@ -524,7 +862,15 @@ class Lock(RedisLock):
                     delay = min(delay, pttl / 1000 + random.uniform(0, min(self.sleep, 0.05)))
                 if deadline is not None:
                     delay = min(delay, deadline - loop.time())
-                if waiter is not None:
+                if contender is not None:
+                    await contender.waiter.wait(delay)
+                    if contender.polite and contender.grant is None:
+                        contender.polite = False
+                        delay = self.sleep * random.uniform(0.5, 1.5)
+                        if deadline is not None:
+                            delay = min(delay, deadline - loop.time())
+                        await contender.waiter.wait(delay)
+                elif waiter is not None:
                     await waiter.wait(delay)
                 else:
                     await asyncio.sleep(delay)
@@ -571,7 +917,9 @@ class Lock(RedisLock):
             )
 
     async def _release_and_settle(self, token: bytes) -> None:
-        left = int(await self._eval(_RELEASE, [self._key], [token, RELEASE_CHANNEL]))
+        left = await self._hand_over(token) if not self.reentrant else None
+        if left is None:
+            left = await self._release_call(token)
         if self.local.token == token:  # unless this object was acquired again meanwhile
             if left < 0:
                 self.lost.set()
@@ -588,8 +936,7 @@ class Lock(RedisLock):
     async def do_release(self, expected_token: bytes) -> None:
         """Release with ``expected_token`` (redis-py's hook); raises
         :class:`~dedup.errors.LockNotOwned` if it does not hold the lock."""
-        left = int(await self._eval(_RELEASE, [self._key], [expected_token, RELEASE_CHANNEL]))
-        if left < 0:
+        if await self._release_call(expected_token) < 0:
             raise LockNotOwned(
                 "Cannot release a lock that's no longer owned", lock_name=self._lock_name()
             )
@@ -649,7 +996,7 @@ class Lock(RedisLock):
 
     # --------------------------------------------------------------- watchdog
     async def _watch(self, token: bytes, granted_at: float) -> None:
-        """Renew every third of the lease; on failure retry sooner until the lease is
+        """Renew now and then every third of the lease; on failure retry sooner until the lease is
         over; after the cap, let the lease run out. Ends by setting ``lost`` unless
         cancelled (release, or the holding task ended)."""
         assert self.timeout  # checked in __init__
@@ -657,9 +1004,10 @@ class Lock(RedisLock):
         lease_s = float(self.timeout)
         lease_end = granted_at + lease_s
         cap_end = None if self.watchdog_cap_s is None else granted_at + self.watchdog_cap_s
-        delay = lease_s / 3
+        delay = 0.0  # started when the first renewal is due
         while True:
-            await asyncio.sleep(delay)
+            if delay:
+                await asyncio.sleep(delay)
             sent = loop.time()
             if cap_end is not None and sent >= cap_end:
                 break
