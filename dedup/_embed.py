@@ -338,10 +338,13 @@ class Lease:
             _release(self._state.running, self.key, self._done)
 
 
-async def begin(self: Gateway, kind: str, value: str) -> Saved | Lease:
+async def begin(
+    self: Gateway, kind: str, value: str, *, wait_s: float | None = None
+) -> Saved | Lease:
     """Claim ``value`` of ``kind`` for a run: :class:`Saved` with the stored payload when
-    it is saved already (after waiting, bounded by ``wait_timeout_s``, for a runner
-    elsewhere), or a :class:`Lease` when this caller is to run the work.
+    it is saved already (after waiting, bounded by ``wait_s``, default the Gateway's
+    ``wait_timeout_s``, for a runner elsewhere; 0 does not wait), or a :class:`Lease`
+    when this caller is to run the work.
 
     Raises :class:`InvalidInput`, :class:`WaitTimeout`, :class:`Unavailable` (also
     while the Gateway is degraded: without Redis two runners could not be told
@@ -357,7 +360,8 @@ async def begin(self: Gateway, kind: str, value: str) -> Saved | Lease:
     state = _state(self, parts)
     running = state.running
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + parts.wait_timeout_s
+    bound_s = parts.wait_timeout_s if wait_s is None else wait_s
+    deadline = loop.time() + bound_s
     pause_s = _FIRST_POLL_S
     while True:
         if parts.degraded():
@@ -376,7 +380,7 @@ async def begin(self: Gateway, kind: str, value: str) -> Saved | Lease:
             except TimeoutError:
                 parts.stats.wait_timeouts += 1
                 raise WaitTimeout(
-                    f"the run of this value went on for more than {parts.wait_timeout_s} s"
+                    f"the run of this value went on for more than {bound_s} s"
                 ) from None
             continue
         mine: asyncio.Future[None] = loop.create_future()
@@ -417,7 +421,7 @@ async def begin(self: Gateway, kind: str, value: str) -> Saved | Lease:
         if remaining <= 0:
             parts.stats.wait_timeouts += 1
             raise WaitTimeout(
-                f"another process held this value's lease for more than {parts.wait_timeout_s} s"
+                f"another process held this value's lease for more than {bound_s} s"
             )
         await asyncio.sleep(min(pause_s * random.uniform(0.5, 1.5), remaining))
         pause_s = min(pause_s * 2, _MAX_POLL_S)
