@@ -420,9 +420,7 @@ async def begin(
         remaining = deadline - loop.time()
         if remaining <= 0:
             parts.stats.wait_timeouts += 1
-            raise WaitTimeout(
-                f"another process held this value's lease for more than {bound_s} s"
-            )
+            raise WaitTimeout(f"another process held this value's lease for more than {bound_s} s")
         await asyncio.sleep(min(pause_s * random.uniform(0.5, 1.5), remaining))
         pause_s = min(pause_s * 2, _MAX_POLL_S)
 
