@@ -50,15 +50,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Lease",
-    "RepeatBody",
     "Saved",
     "begin",
-    "check_status",
     "filter",
     "get",
-    "http_error",
     "once",
-    "repeat_body",
     "run_once",
 ]
 
@@ -634,35 +630,3 @@ async def _filter(
             pending.cancel()
             with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
                 await pending
-
-
-# ----------------------------------------------------------------- HTTP middleware
-# What the ASGI and aiohttp middlewares share: how a repeat and an error answer.
-
-RepeatBody = Callable[[str, Any], Any]
-"""Maps (key, stored payload) to the JSON body of a repeat's response."""
-
-
-def repeat_body(key: str, stored: Any) -> Any:
-    """The default body of a repeat: ``{"error": "duplicate", "key", "status"}``, where
-    ``status`` is what the handler answered the first time."""
-    status = stored.get("status") if isinstance(stored, dict) else None
-    return {"error": "duplicate", "key": key, "status": status}
-
-
-def http_error(exc: DedupError) -> tuple[int, Any, dict[str, str]]:
-    """The status, JSON body and headers of a middleware's answer to ``exc``: 400 for a
-    bad key, 409 with Retry-After while another request with the key is still being
-    handled, 503 with Retry-After when Redis or the database cannot serve."""
-    if isinstance(exc, InvalidInput):
-        return 400, {"error": "invalid_key", "detail": str(exc)}, {}
-    if isinstance(exc, WaitTimeout):
-        return 409, {"error": "in_progress", "detail": str(exc)}, {"Retry-After": "1"}
-    return 503, {"error": "unavailable", "detail": str(exc)}, {"Retry-After": "1"}
-
-
-def check_status(repeat_status: object) -> int:
-    """``repeat_status`` if it is an HTTP status code (100-599), else InvalidInput."""
-    if type(repeat_status) is not int or not 100 <= repeat_status <= 599:
-        raise InvalidInput("repeat_status must be an HTTP status code", field="repeat_status")
-    return repeat_status

@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import http
+import inspect
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ __all__ = [
     "Options",
     "RequestInfo",
     "Response",
+    "call_maybe",
     "default_fingerprint",
     "json_fingerprint",
     "problem",
@@ -500,6 +502,17 @@ def _decode(payload: Any) -> tuple[str | None, Response]:
         body = raw.encode("utf-8")
     headers = tuple((str(n), str(v)) for n, v in payload.get("headers", ()))
     return payload.get("fp"), Response(int(payload["status"]), headers, body)
+
+
+async def call_maybe(fn: Callable[[Any], Any] | None, request: Any) -> Any:
+    """``fn(request)``, awaited when it returns an awaitable; None without ``fn``. (The
+    async middlewares take sync or async ``key`` and ``scope`` functions.)"""
+    if fn is None:
+        return None
+    found = fn(request)
+    if inspect.isawaitable(found):
+        found = await found
+    return found
 
 
 def _flag(value: object, name: str) -> bool:

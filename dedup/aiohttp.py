@@ -15,16 +15,15 @@ and headers are stored, after it went out.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable
-from typing import Any, Unpack
+from typing import Unpack
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from multidict import CIMultiDict
 
 from dedup import _embed
-from dedup._idempotency import Idempotency, Options, RequestInfo, Response
+from dedup._idempotency import Idempotency, Options, RequestInfo, Response, call_maybe
 from dedup.errors import InvalidInput
 from dedup.gateway import Gateway
 
@@ -55,7 +54,7 @@ def middleware(
 
     async def key_of(request: web.Request) -> str | None:
         if key is not None:
-            found = await _call(key, request)
+            found = await call_maybe(key, request)
             return found or None
         return rules.key_from_header(request.headers.get(rules.header))
 
@@ -92,7 +91,7 @@ def middleware(
             info = RequestInfo(request.method.upper(), request.path, request.query_string, body)
             fingerprint = rules.fingerprint(info)
         try:
-            value = rules.value(value, await _call(scope, request))
+            value = rules.value(value, await call_maybe(scope, request))
         except InvalidInput as exc:
             return _response(rules.error(exc))
         claimed = await rules.claim(gateway, value, fingerprint)
@@ -111,15 +110,6 @@ def middleware(
 
     result: Middleware = dedup_middleware
     return result
-
-
-async def _call(fn: Callable[[web.Request], Any] | None, request: web.Request) -> Any:
-    if fn is None:
-        return None
-    found = fn(request)
-    if inspect.isawaitable(found):
-        found = await found
-    return found
 
 
 def _response(answer: Response) -> web.Response:

@@ -13,12 +13,18 @@ this module only reads ASGI requests and sends ASGI responses.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Unpack
 
 from dedup import _embed
-from dedup._idempotency import Capture, Idempotency, Options, RequestInfo, Response
+from dedup._idempotency import (
+    Capture,
+    Idempotency,
+    Options,
+    RequestInfo,
+    Response,
+    call_maybe,
+)
 from dedup.errors import InvalidInput
 from dedup.gateway import Gateway
 
@@ -96,7 +102,7 @@ class DedupMiddleware:
             info = RequestInfo(scope["method"].upper(), scope["path"], query, body)
             fingerprint = rules.fingerprint(info)
         try:
-            value = rules.value(key, await _call(rules.scope, scope))
+            value = rules.value(key, await call_maybe(rules.scope, scope))
         except InvalidInput as exc:
             await _send(send, rules.error(exc))
             return
@@ -108,7 +114,7 @@ class DedupMiddleware:
 
     async def _key_of(self, scope: Scope) -> str | None:
         if self.rules.key is not None:
-            found = await _call(self.rules.key, scope)
+            found = await call_maybe(self.rules.key, scope)
             return found or None
         for name, value in scope.get("headers", ()):
             if bytes(name).lower() == self._header:
@@ -166,15 +172,6 @@ class DedupMiddleware:
         await settle(complete=False)  # the app returned without finishing its response
         if held is not None:
             await send(held)
-
-
-async def _call(fn: Callable[[Scope], Any] | None, scope: Scope) -> Any:
-    if fn is None:
-        return None
-    found = fn(scope)
-    if inspect.isawaitable(found):
-        found = await found
-    return found
 
 
 async def _read_body(scope: Scope, receive: Receive, rules: Idempotency) -> bytes | Response | None:

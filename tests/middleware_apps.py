@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from socketserver import ThreadingMixIn
@@ -229,8 +229,3 @@ async def _serve_wsgi(
         await asyncio.to_thread(gw.close)
 
     return f"http://127.0.0.1:{server.server_port}", close
-
-
-def header_names(headers: Iterable[tuple[str, str]]) -> set[str]:
-    """The lower-cased names of ``headers``."""
-    return {name.lower() for name, _ in headers}
