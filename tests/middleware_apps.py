@@ -165,6 +165,7 @@ async def _serve_asgi(
         lifespan=lifespan,
     )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no 40 ms delayed-ACK stalls
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(app, lifespan="on", log_level="warning", ws="none", http="h11")
     server = uvicorn.Server(config)
