@@ -50,15 +50,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Lease",
-    "RepeatBody",
     "Saved",
     "begin",
-    "check_status",
     "filter",
     "get",
-    "http_error",
     "once",
-    "repeat_body",
     "run_once",
 ]
 
@@ -338,10 +334,13 @@ class Lease:
             _release(self._state.running, self.key, self._done)
 
 
-async def begin(self: Gateway, kind: str, value: str) -> Saved | Lease:
+async def begin(
+    self: Gateway, kind: str, value: str, *, wait_s: float | None = None
+) -> Saved | Lease:
     """Claim ``value`` of ``kind`` for a run: :class:`Saved` with the stored payload when
-    it is saved already (after waiting, bounded by ``wait_timeout_s``, for a runner
-    elsewhere), or a :class:`Lease` when this caller is to run the work.
+    it is saved already (after waiting, bounded by ``wait_s``, default the Gateway's
+    ``wait_timeout_s``, for a runner elsewhere; 0 does not wait), or a :class:`Lease`
+    when this caller is to run the work.
 
     Raises :class:`InvalidInput`, :class:`WaitTimeout`, :class:`Unavailable` (also
     while the Gateway is degraded: without Redis two runners could not be told
@@ -357,7 +356,8 @@ async def begin(self: Gateway, kind: str, value: str) -> Saved | Lease:
     state = _state(self, parts)
     running = state.running
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + parts.wait_timeout_s
+    bound_s = parts.wait_timeout_s if wait_s is None else wait_s
+    deadline = loop.time() + bound_s
     pause_s = _FIRST_POLL_S
     while True:
         if parts.degraded():
@@ -376,7 +376,7 @@ async def begin(self: Gateway, kind: str, value: str) -> Saved | Lease:
             except TimeoutError:
                 parts.stats.wait_timeouts += 1
                 raise WaitTimeout(
-                    f"the run of this value went on for more than {parts.wait_timeout_s} s"
+                    f"the run of this value went on for more than {bound_s} s"
                 ) from None
             continue
         mine: asyncio.Future[None] = loop.create_future()
@@ -416,9 +416,7 @@ async def begin(self: Gateway, kind: str, value: str) -> Saved | Lease:
         remaining = deadline - loop.time()
         if remaining <= 0:
             parts.stats.wait_timeouts += 1
-            raise WaitTimeout(
-                f"another process held this value's lease for more than {parts.wait_timeout_s} s"
-            )
+            raise WaitTimeout(f"another process held this value's lease for more than {bound_s} s")
         await asyncio.sleep(min(pause_s * random.uniform(0.5, 1.5), remaining))
         pause_s = min(pause_s * 2, _MAX_POLL_S)
 
@@ -632,35 +630,3 @@ async def _filter(
             pending.cancel()
             with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
                 await pending
-
-
-# ----------------------------------------------------------------- HTTP middleware
-# What the ASGI and aiohttp middlewares share: how a repeat and an error answer.
-
-RepeatBody = Callable[[str, Any], Any]
-"""Maps (key, stored payload) to the JSON body of a repeat's response."""
-
-
-def repeat_body(key: str, stored: Any) -> Any:
-    """The default body of a repeat: ``{"error": "duplicate", "key", "status"}``, where
-    ``status`` is what the handler answered the first time."""
-    status = stored.get("status") if isinstance(stored, dict) else None
-    return {"error": "duplicate", "key": key, "status": status}
-
-
-def http_error(exc: DedupError) -> tuple[int, Any, dict[str, str]]:
-    """The status, JSON body and headers of a middleware's answer to ``exc``: 400 for a
-    bad key, 409 with Retry-After while another request with the key is still being
-    handled, 503 with Retry-After when Redis or the database cannot serve."""
-    if isinstance(exc, InvalidInput):
-        return 400, {"error": "invalid_key", "detail": str(exc)}, {}
-    if isinstance(exc, WaitTimeout):
-        return 409, {"error": "in_progress", "detail": str(exc)}, {"Retry-After": "1"}
-    return 503, {"error": "unavailable", "detail": str(exc)}, {"Retry-After": "1"}
-
-
-def check_status(repeat_status: object) -> int:
-    """``repeat_status`` if it is an HTTP status code (100-599), else InvalidInput."""
-    if type(repeat_status) is not int or not 100 <= repeat_status <= 599:
-        raise InvalidInput("repeat_status must be an HTTP status code", field="repeat_status")
-    return repeat_status

@@ -1,106 +1,117 @@
-"""Ingest middleware for aiohttp apps: drop repeated requests before the handler runs.
+"""Idempotency-Key middleware for aiohttp apps: a retry gets the first response replayed
+instead of running the handler again.
 
 ::
 
     gw = Gateway(REDIS_URL, DATABASE_URL)          # opened in a cleanup_ctx
-    app = web.Application(middlewares=[dedup.aiohttp.middleware(gw, kind="events")])
+    app = web.Application(middlewares=[dedup.aiohttp.middleware(gw, kind="orders")])
 
-The same rules as :mod:`dedup.asgi`: the key comes from a header
-(``Idempotency-Key`` by default) or from ``key(request)`` (sync or async: it may
-read the body, which aiohttp keeps for the handler); a request without a key passes
-through untouched; only a 2xx answer of the handler marks the key saved; a repeat
-gets ``repeat_status`` (409 by default) with a JSON body without calling the handler;
-concurrent repeats wait, bounded by the Gateway's ``wait_timeout_s``. Here the key is
-marked saved before the response is sent.
+The rules are those of :mod:`dedup._idempotency`, shared with :mod:`dedup.asgi` and
+:mod:`dedup.wsgi`. Here the key is stored (or released) before the response is sent.
+A handler's ``web.Response`` is stored with its body (up to ``max_response_bytes``);
+a ``StreamResponse`` the handler wrote itself is already sent, so only its status
+and headers are stored, after it went out.
 """
 
 from __future__ import annotations
 
-import inspect
-import logging
 from collections.abc import Awaitable, Callable
+from typing import Unpack
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
+from multidict import CIMultiDict
 
 from dedup import _embed
-from dedup.errors import DedupError, InvalidInput
+from dedup._idempotency import Idempotency, Options, RequestInfo, Response, call_maybe
+from dedup.errors import InvalidInput
 from dedup.gateway import Gateway
-from dedup.keys import validate_kind
 
 __all__ = ["KeyFunction", "middleware"]
 
-log = logging.getLogger("dedup")
-
 KeyFunction = Callable[[web.Request], "str | Awaitable[str | None] | None"]
-"""Maps a request to its key, or None to let it through untouched."""
+"""Maps a request to a string (sync or async; it may read the body), or None."""
 
 
 def middleware(
     gateway: Gateway,
     *,
-    kind: str = "request",
-    header: str = "Idempotency-Key",
     key: KeyFunction | None = None,
-    repeat_status: int = 409,
-    repeat_body: _embed.RepeatBody = _embed.repeat_body,
+    scope: KeyFunction | None = None,
+    **options: Unpack[Options],
 ) -> Middleware:
-    """An aiohttp middleware that runs the handler at most once per request key.
+    """An aiohttp middleware that runs the handler at most once per idempotency key and
+    replays its response to every retry.
 
     The options are those of :class:`dedup.asgi.DedupMiddleware`: ``gateway`` (open
-    by the time requests arrive, with the default sink), ``kind``, ``header``,
-    ``key``, ``repeat_status`` and ``repeat_body(key, stored_payload)``. A bad key
-    answers 400, Redis or the database unable to serve 503 with Retry-After, a wait
-    for a concurrent request past ``wait_timeout_s`` 409 ``in_progress``.
+    by the time requests arrive, with the default sink), ``key(request)`` and
+    ``scope(request)`` (sync or async), and the shared options of
+    :class:`dedup._idempotency.Idempotency`.
     """
     if not isinstance(gateway, Gateway):
         raise InvalidInput("gateway must be a dedup.Gateway", field="gateway")
-    if key is not None and not callable(key):
-        raise InvalidInput("key must be a callable on the request", field="key")
-    if not isinstance(header, str) or not header:
-        raise InvalidInput("header must be a header name", field="header")
-    kind = validate_kind(kind)
-    status_of_repeat = _embed.check_status(repeat_status)
+    rules = Idempotency(key=key, scope=scope, **options)
 
     async def key_of(request: web.Request) -> str | None:
         if key is not None:
-            found = key(request)
-            if inspect.isawaitable(found):
-                found = await found
+            found = await call_maybe(key, request)
             return found or None
-        return request.headers.get(header, "").strip() or None
+        return rules.key_from_header(request.headers.get(rules.header))
 
-    async def finish(claimed: _embed.Lease, status: int) -> None:
-        if 200 <= status < 300:
-            try:
-                await claimed.finish({"status": status})
-            except DedupError as exc:
-                log.warning("could not mark request key saved after a %d: %r", status, exc)
-        else:
-            await claimed.fail()
+    async def settle(
+        lease: _embed.Lease, response: web.StreamResponse, fingerprint: str | None
+    ) -> None:
+        body: bytes | None = None
+        if isinstance(response, web.Response) and not response.prepared:
+            raw = response.body
+            if raw is None:
+                body = b""
+            elif isinstance(raw, bytes | bytearray):
+                body = bytes(raw) if len(raw) <= rules.max_response_bytes else None
+        headers = ((str(n), str(v)) for n, v in response.headers.items())
+        await rules.settle(gateway, lease, response.status, headers, body, fingerprint)
 
     @web.middleware
     async def dedup_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not rules.guards(request.method):
+            return await handler(request)
         value = await key_of(request)
         if value is None:
-            return await handler(request)
+            refusal = rules.missing_key()
+            return await handler(request) if refusal is None else _response(refusal)
+        fingerprint = None
+        if rules.reads_body:
+            refusal = rules.body_too_large(request.content_length or 0)
+            if refusal is not None:
+                return _response(refusal)
+            body = await request.read()  # kept by aiohttp: the handler reads it again
+            refusal = rules.body_too_large(len(body))
+            if refusal is not None:
+                return _response(refusal)
+            info = RequestInfo(request.method.upper(), request.path, request.query_string, body)
+            fingerprint = rules.fingerprint(info)
         try:
-            claimed = await _embed.begin(gateway, kind, value)
-        except DedupError as exc:
-            status, body, headers = _embed.http_error(exc)
-            return web.json_response(body, status=status, headers=headers)
-        if isinstance(claimed, _embed.Saved):
-            return web.json_response(repeat_body(value, claimed.payload), status=status_of_repeat)
+            value = rules.value(value, await call_maybe(scope, request))
+        except InvalidInput as exc:
+            return _response(rules.error(exc))
+        claimed = await rules.claim(gateway, value, fingerprint)
+        if isinstance(claimed, Response):
+            return _response(claimed)
         try:
             response = await handler(request)
         except web.HTTPException as exc:  # a raised answer is an answer too
-            await finish(claimed, exc.status)
+            await settle(claimed, exc, fingerprint)
             raise
         except BaseException:
             await claimed.fail()
             raise
-        await finish(claimed, response.status)
+        await settle(claimed, response, fingerprint)
         return response
 
     result: Middleware = dedup_middleware
     return result
+
+
+def _response(answer: Response) -> web.Response:
+    headers = CIMultiDict(answer.headers)
+    return web.Response(status=answer.status, body=answer.body or b"", headers=headers)

@@ -1,39 +1,34 @@
-"""Ingest middleware for ASGI apps (Starlette, FastAPI): drop repeated requests before
-the handler runs.
+"""Idempotency-Key middleware for ASGI apps (Starlette, FastAPI): a retry gets the first
+response replayed instead of running the handler again.
 
 Pure ASGI, no framework import::
 
     gw = Gateway(REDIS_URL, DATABASE_URL)          # opened in the app's lifespan
-    app.add_middleware(DedupMiddleware, gateway=gw, kind="events")
+    app.add_middleware(DedupMiddleware, gateway=gw, kind="orders")
 
-A request's key comes from a header (``Idempotency-Key`` by default) or from
-``key(scope)``; a request without a key passes through untouched. The first request
-with a key claims it (the lease of :meth:`dedup.Gateway.once`, renewed while the
-handler runs) and runs the handler; only a 2xx answer of the handler marks the key
-saved, with ``{"status": <code>}`` as its payload. Any other answer, or an exception,
-releases the key, so a retry runs the handler again. A repeat of a saved key gets
-``repeat_status`` (409 by default) with a JSON body, without calling the handler; a
-repeat that arrives while the first is being handled waits for its outcome (at most
-the Gateway's ``wait_timeout_s``; then 409 ``in_progress`` with Retry-After).
+The rules (what is stored, the fingerprint, 409/422/400) are those of
+:mod:`dedup._idempotency`, shared with :mod:`dedup.aiohttp` and :mod:`dedup.wsgi`;
+this module only reads ASGI requests and sends ASGI responses.
 """
 
 from __future__ import annotations
 
-import inspect
-import logging
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
-
-import orjson
+from typing import Any, Unpack
 
 from dedup import _embed
-from dedup.errors import DedupError, InvalidInput
+from dedup._idempotency import (
+    Capture,
+    Idempotency,
+    Options,
+    RequestInfo,
+    Response,
+    call_maybe,
+)
+from dedup.errors import InvalidInput
 from dedup.gateway import Gateway
-from dedup.keys import validate_kind
 
 __all__ = ["DedupMiddleware", "KeyFunction"]
-
-log = logging.getLogger("dedup")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -41,27 +36,28 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 KeyFunction = Callable[[Scope], "str | Awaitable[str | None] | None"]
-"""Maps the ASGI scope to the request's key, or None to let it through untouched."""
+"""Maps the ASGI scope to a string (sync or async), or None."""
 
 
 class DedupMiddleware:
-    """ASGI middleware that runs the handler at most once per request key.
+    """ASGI middleware that runs the handler at most once per idempotency key and
+    replays its response to every retry.
 
     - ``gateway``: the :class:`~dedup.Gateway` (open by the time requests arrive; it
-      needs the default sink).
-    - ``kind="request"``: the kind the keys are saved under.
-    - ``header="Idempotency-Key"``: the request header holding the key.
+      needs the default sink, where the responses are stored).
     - ``key``: instead of the header, a function of the ASGI scope (sync or async)
-      returning the key, or None to let the request through untouched.
-    - ``repeat_status=409``: the status of a repeat's response (200 suits clients
-      that treat a replay as success).
-    - ``repeat_body``: ``f(key, stored_payload)`` -> the repeat's JSON body (default
-      ``{"error": "duplicate", "key": ..., "status": <first answer's status>}``).
+      returning the key, or None for "no key".
+    - ``scope``: a function of the ASGI scope (sync or async) returning the key's
+      scope (a tenant, an auth subject), or None: the same key in two scopes is two
+      keys.
+    - every option of :class:`dedup._idempotency.Idempotency`: ``kind``, ``header``,
+      ``mode``, ``fingerprint``, ``methods``, ``require_key``, ``in_flight``,
+      ``store_4xx``, ``max_response_bytes``, ``max_request_bytes``,
+      ``replay_headers``, ``duplicate_status``, ``retry_after_s``.
 
-    Errors answer without calling the handler: 400 for a bad key (longer than the
-    Gateway's ``max_value_bytes``, or with NUL), 503 with Retry-After when Redis or
-    the database cannot serve (also in degraded mode: without Redis, a second run
-    could not be ruled out).
+    The response is passed through as the handler sends it, one message behind: the
+    key is stored (or released) before the last message goes out, so a client's next
+    request finds it settled.
     """
 
     def __init__(
@@ -69,85 +65,156 @@ class DedupMiddleware:
         app: ASGIApp,
         *,
         gateway: Gateway,
-        kind: str = "request",
-        header: str = "Idempotency-Key",
         key: KeyFunction | None = None,
-        repeat_status: int = 409,
-        repeat_body: _embed.RepeatBody = _embed.repeat_body,
+        scope: KeyFunction | None = None,
+        **options: Unpack[Options],
     ) -> None:
         if not isinstance(gateway, Gateway):
             raise InvalidInput("gateway must be a dedup.Gateway", field="gateway")
-        if key is not None and not callable(key):
-            raise InvalidInput("key must be a callable on the ASGI scope", field="key")
-        if not isinstance(header, str) or not header:
-            raise InvalidInput("header must be a header name", field="header")
         self.app = app
         self.gateway = gateway
-        self.kind = validate_kind(kind)
-        self.repeat_status = _embed.check_status(repeat_status)
-        self.repeat_body = repeat_body
-        self._header = header.lower().encode("latin-1")
-        self._key = key
-
-    async def _key_of(self, scope: Scope) -> str | None:
-        if self._key is not None:
-            found = self._key(scope)
-            if inspect.isawaitable(found):
-                found = await found
-            return found or None
-        for name, value in scope.get("headers", ()):
-            if name.lower() == self._header:
-                text = bytes(value).decode("latin-1").strip()
-                return text or None
-        return None
+        self.rules = Idempotency(key=key, scope=scope, **options)
+        self._header = self.rules.header.lower().encode("latin-1")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        rules = self.rules
+        if scope["type"] != "http" or not rules.guards(scope["method"]):
             await self.app(scope, receive, send)
             return
         key = await self._key_of(scope)
         if key is None:
-            await self.app(scope, receive, send)
+            refusal = rules.missing_key()
+            if refusal is None:
+                await self.app(scope, receive, send)
+            else:
+                await _send(send, refusal)
             return
+        fingerprint = None
+        if rules.reads_body:
+            body = await _read_body(scope, receive, rules)
+            if body is None:  # the client went away
+                return
+            if isinstance(body, Response):
+                await _send(send, body)
+                return
+            receive = _replaying(body, receive)
+            query = bytes(scope.get("query_string", b"")).decode("latin-1")
+            info = RequestInfo(scope["method"].upper(), scope["path"], query, body)
+            fingerprint = rules.fingerprint(info)
         try:
-            claimed = await _embed.begin(self.gateway, self.kind, key)
-        except DedupError as exc:
-            code, body, headers = _embed.http_error(exc)
-            await _answer(send, code, body, headers)
+            value = rules.value(key, await call_maybe(rules.scope, scope))
+        except InvalidInput as exc:
+            await _send(send, rules.error(exc))
             return
-        if isinstance(claimed, _embed.Saved):
-            await _answer(send, self.repeat_status, self.repeat_body(key, claimed.payload), {})
+        claimed = await rules.claim(self.gateway, value, fingerprint)
+        if isinstance(claimed, Response):
+            await _send(send, claimed)
             return
-        status: int | None = None
+        await self._run(scope, receive, send, claimed, fingerprint)
 
-        async def send_seen(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            await send(message)
+    async def _key_of(self, scope: Scope) -> str | None:
+        if self.rules.key is not None:
+            found = await call_maybe(self.rules.key, scope)
+            return found or None
+        for name, value in scope.get("headers", ()):
+            if bytes(name).lower() == self._header:
+                return self.rules.key_from_header(bytes(value).decode("latin-1"))
+        return None
+
+    async def _run(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        lease: _embed.Lease,
+        fingerprint: str | None,
+    ) -> None:
+        capture = Capture(self.rules.max_response_bytes)
+        held: Message | None = None
+        settled = False
+
+        async def settle(complete: bool) -> None:
+            nonlocal settled
+            if not settled:
+                settled = True
+                status = capture.status if complete else None
+                await self.rules.settle(
+                    self.gateway, lease, status, capture.headers, capture.body, fingerprint
+                )
+
+        async def send_one_behind(message: Message) -> None:
+            nonlocal held
+            kind = message["type"]
+            if kind == "http.response.start":
+                headers = (
+                    (bytes(n).decode("latin-1"), bytes(v).decode("latin-1"))
+                    for n, v in message.get("headers", ())
+                )
+                capture.start(int(message["status"]), headers)
+            elif kind == "http.response.body":
+                capture.add(bytes(message.get("body", b"")))
+                if not message.get("more_body", False):
+                    await settle(complete=True)
+            if held is not None:
+                await send(held)
+            held = message
+            if settled:
+                held = None
+                await send(message)
 
         try:
-            await self.app(scope, receive, send_seen)
+            await self.app(scope, receive, send_one_behind)
         except BaseException:
-            await claimed.fail()
+            if not settled:
+                settled = True
+                await lease.fail()
             raise
-        if status is not None and 200 <= status < 300:
-            try:
-                await claimed.finish({"status": status})
-            except DedupError as exc:
-                # The answer is sent already; the key stays unsaved, so a retry runs
-                # the handler again.
-                log.warning("could not mark request key saved after a %d: %r", status, exc)
-        else:
-            await claimed.fail()
+        await settle(complete=False)  # the app returned without finishing its response
+        if held is not None:
+            await send(held)
 
 
-async def _answer(send: Send, status: int, body: Any, headers: dict[str, str]) -> None:
-    raw = orjson.dumps(body)
-    header_list = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(raw)).encode()),
-        *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()),
+async def _read_body(scope: Scope, receive: Receive, rules: Idempotency) -> bytes | Response | None:
+    """The whole request body, 413 past ``max_request_bytes``, None on a disconnect."""
+    for name, value in scope.get("headers", ()):
+        if bytes(name).lower() == b"content-length" and bytes(value).isdigit():
+            refusal = rules.body_too_large(int(value))
+            if refusal is not None:
+                return refusal
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = bytes(message.get("body", b""))
+        size += len(chunk)
+        refusal = rules.body_too_large(size)
+        if refusal is not None:
+            return refusal
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """A receive that hands the app the body read already, then the server's messages."""
+    given = False
+
+    async def replay() -> Message:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+async def _send(send: Send, response: Response) -> None:
+    start = {"type": "http.response.start", "status": response.status}
+    headers = [
+        (n.lower().encode("latin-1"), v.encode("latin-1")) for n, v in response.wire_headers()
     ]
-    await send({"type": "http.response.start", "status": status, "headers": header_list})
-    await send({"type": "http.response.body", "body": raw})
+    await send({**start, "headers": headers})
+    await send({"type": "http.response.body", "body": response.body or b""})

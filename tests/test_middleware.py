@@ -1,228 +1,393 @@
-"""The ingest middlewares with real apps on real servers (aiohttp, Starlette on uvicorn),
-requests over real HTTP on 127.0.0.1, Redis and PostgreSQL real too."""
+"""The Idempotency-Key middlewares on real servers: Starlette on uvicorn (dedup.asgi),
+aiohttp (dedup.aiohttp) and Flask on a threading wsgiref server (dedup.wsgi on a
+SyncGateway), each rule for each of the three; requests over real HTTP on 127.0.0.1,
+Redis and PostgreSQL real too. The apps are in tests/middleware_apps.py."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import asyncpg
+import orjson
 import pytest
-import uvicorn
-from aiohttp import web
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from multidict import CIMultiDictProxy
 
 import dedup.aiohttp
+import dedup.asgi
+import dedup.wsgi
 from dedup import Gateway, InvalidInput
-from dedup.asgi import DedupMiddleware
+from dedup._idempotency import json_fingerprint
+from tests.middleware_apps import FRAMEWORKS, count_runs, serve
 
 DEADLINE_S = 60.0
+ROOT = Path(__file__).resolve().parent.parent
 
-App = Callable[..., Awaitable[str]]  # build(**middleware options) -> base URL
-
-
-class Handler:
-    """What the apps' handlers do and count: ``/events`` answers ``?status=`` (201 by
-    default) after ``?sleep=`` seconds, ``?raise=1`` raises instead."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    async def run(self, query: dict[str, str], body: bytes) -> int:
-        self.calls.append(body.decode())
-        await asyncio.sleep(float(query.get("sleep", 0)))
-        if query.get("raise"):
-            raise RuntimeError("handler failed")
-        return int(query.get("status", 201))
+Build = Callable[..., Awaitable[str]]  # build(**middleware options) -> base URL
 
 
-@pytest.fixture
-def handler() -> Handler:
-    return Handler()
+@dataclass
+class Setup:
+    """One framework's server factory and the runs file its handler writes."""
+
+    framework: str
+    build: Build
+    runs: Path
+
+    def count(self, body: str | None = None) -> int:
+        return count_runs(self.runs, body)
 
 
-@pytest.fixture
-async def aiohttp_app(redis_url: str, pg_url: str, handler: Handler) -> AsyncIterator[App]:
-    runners: list[web.AppRunner] = []
-    gateways: list[Gateway] = []
+@pytest.fixture(params=FRAMEWORKS)
+async def app(
+    request: pytest.FixtureRequest, redis_url: str, pg_url: str, tmp_path: Path
+) -> AsyncIterator[Setup]:
+    """Each test runs against the three middlewares."""
+    closers: list[Callable[[], Awaitable[None]]] = []
+    runs = tmp_path / "runs"
 
     async def build(**options: Any) -> str:
-        gw = Gateway(redis_url, pg_url)
-
-        async def gateway_ctx(app: web.Application) -> AsyncIterator[None]:
-            async with gw:
-                yield
-
-        async def events(request: web.Request) -> web.Response:
-            status = await handler.run(dict(request.query), await request.read())
-            return web.json_response({"ok": True}, status=status)
-
-        app = web.Application(middlewares=[dedup.aiohttp.middleware(gw, **options)])
-        app.cleanup_ctx.append(gateway_ctx)
-        app.router.add_post("/events", events)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        runners.append(runner)
-        gateways.append(gw)
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        return f"http://127.0.0.1:{port}"
+        base, close = await serve(request.param, redis_url, pg_url, runs, options)
+        closers.append(close)
+        return base
 
     try:
-        yield build
+        yield Setup(request.param, build, runs)
     finally:
-        for runner in runners:
-            await runner.cleanup()
+        for close in closers:
+            await close()
 
 
-@pytest.fixture
-async def asgi_app(redis_url: str, pg_url: str, handler: Handler) -> AsyncIterator[App]:
-    servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
+@dataclass
+class Answer:
+    status: int
+    headers: CIMultiDictProxy[str]
+    body: bytes
 
-    async def build(**options: Any) -> str:
-        gw = Gateway(redis_url, pg_url)
+    def json(self) -> Any:
+        return orjson.loads(self.body)
 
-        @contextlib.asynccontextmanager
-        async def lifespan(app: Starlette) -> AsyncIterator[None]:
-            async with gw:  # the FastAPI/Starlette way: open it in the lifespan
-                yield
-
-        async def events(request: Request) -> Response:
-            status = await handler.run(dict(request.query_params), await request.body())
-            return JSONResponse({"ok": True}, status_code=status)
-
-        app = Starlette(
-            routes=[Route("/events", events, methods=["POST"])],
-            middleware=[Middleware(DedupMiddleware, gateway=gw, **options)],
-            lifespan=lifespan,
-        )
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        config = uvicorn.Config(app, lifespan="on", log_level="warning", ws="none", http="h11")
-        server = uvicorn.Server(config)
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        servers.append((server, task))
-        async with asyncio.timeout(DEADLINE_S):
-            while not server.started:
-                if task.done():
-                    task.result()
-                await asyncio.sleep(0.01)
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-    try:
-        yield build
-    finally:
-        for server, task in servers:
-            server.should_exit = True
-            await asyncio.wait_for(task, DEADLINE_S)
+    @property
+    def replayed(self) -> bool:
+        return self.headers.get("Idempotent-Replayed") == "true"
 
 
-@pytest.fixture(params=["aiohttp", "asgi"])
-def app(request: pytest.FixtureRequest) -> App:
-    """Each test runs against both middlewares."""
-    built: App = request.getfixturevalue(f"{request.param}_app")
-    return built
-
-
-async def post(
-    base: str, key: str | None = None, body: str = "{}", **query: Any
-) -> tuple[int, Any, dict[str, str]]:
-    headers = {} if key is None else {"Idempotency-Key": key}
+async def call(
+    base: str,
+    key: str | None = None,
+    body: str = "{}",
+    *,
+    method: str = "POST",
+    path: str = "/orders",
+    headers: dict[str, str] | None = None,
+    **query: Any,
+) -> Answer:
+    sent = dict(headers or {})
+    if key is not None:
+        sent["Idempotency-Key"] = key
     timeout = aiohttp.ClientTimeout(total=DEADLINE_S)
     async with (
         aiohttp.ClientSession(timeout=timeout) as session,
-        session.post(
-            f"{base}/events",
-            data=body,
-            headers=headers,
+        session.request(
+            method,
+            f"{base}{path}",
+            data=body.encode(),
+            headers=sent,
             params={k: str(v) for k, v in query.items()},
         ) as r,
     ):
-        is_json = r.content_type == "application/json"
-        data = await r.json() if is_json else await r.text()
-        return r.status, data, dict(r.headers)
+        return Answer(r.status, r.headers, await r.read())
 
 
-async def test_a_key_runs_the_handler_once(app: App, handler: Handler) -> None:
-    base = await app()
-    status, body, _ = await post(base, "k-1", "first")
-    assert (status, body) == (201, {"ok": True})
-    status, body, _ = await post(base, "k-1", "second")
-    assert (status, body) == (409, {"error": "duplicate", "key": "k-1", "status": 201})
-    assert handler.calls == ["first"]
-    # Another key, and requests without a key, go through untouched.
-    assert (await post(base, "k-2", "third"))[0] == 201
-    assert (await post(base, None, "no key"))[0] == 201
-    assert (await post(base, None, "no key"))[0] == 201
-    assert handler.calls == ["first", "third", "no key", "no key"]
+def assert_problem(answer: Answer, status: int, error: str) -> None:
+    assert answer.status == status
+    assert answer.headers["Content-Type"] == "application/problem+json"
+    problem = answer.json()
+    assert problem["status"] == status and problem["error"] == error
+    assert problem["type"] == "about:blank" and problem["title"] and problem["detail"]
 
 
-async def test_only_a_2xx_marks_the_key_saved(app: App, handler: Handler) -> None:
-    base = await app()
-    assert (await post(base, "k", "a", status=500))[0] == 500
-    assert (await post(base, "k", "b", status=400))[0] == 400
-    assert (await post(base, "k", "c", **{"raise": 1}))[0] == 500  # the handler raised
-    assert (await post(base, "k", "d", status=200))[0] == 200
-    status, body, _ = await post(base, "k", "e")
-    assert (status, body["status"]) == (409, 200)
-    assert handler.calls == ["a", "b", "c", "d"]
+async def test_a_retry_gets_the_first_response_replayed(app: Setup) -> None:
+    base = await app.build(replay_headers=["X-Run"])
+    first = await call(base, "k-1", "a")
+    assert first.status == 201 and not first.replayed
+    for key in ("k-1", '"k-1"'):  # the draft's quoted form is the same key
+        again = await call(base, key, "a")
+        assert again.status == 201 and again.replayed
+        assert again.body == first.body  # the same bytes: the handler did not run
+        for name in ("Content-Type", "Location", "X-Run"):
+            assert again.headers[name] == first.headers[name]
+        assert "X-Other" in first.headers and "X-Other" not in again.headers
+    assert app.count() == 1
+    # Another key runs; requests without a key, and unguarded methods, pass through.
+    assert (await call(base, "k-2", "b")).body != first.body
+    assert (await call(base, None, "c")).status == 201
+    assert (await call(base, None, "c")).status == 201
+    get = await call(base, "k-1", "a", method="GET")
+    assert get.status == 201 and not get.replayed
+    assert app.count() == 5
+    # PATCH is guarded by default.
+    patched = await call(base, "k-3", "d", method="PATCH")
+    assert (await call(base, "k-3", "d", method="PATCH")).body == patched.body
+    assert app.count() == 6
 
 
-async def test_concurrent_duplicates_wait_for_the_first(app: App, handler: Handler) -> None:
-    base = await app()
-    answers = await asyncio.gather(*(post(base, "same", f"r{i}", sleep=0.2) for i in range(8)))
-    statuses = sorted(status for status, _, _ in answers)
-    assert statuses == [201] + [409] * 7
-    assert len(handler.calls) == 1
+async def test_a_reused_key_with_another_request_is_a_422(app: Setup) -> None:
+    base = await app.build()
+    assert (await call(base, "k", "a")).status == 201
+    assert_problem(await call(base, "k", "b"), 422, "key_mismatch")  # another body
+    assert_problem(await call(base, "k", "a", path="/other"), 422, "key_mismatch")
+    assert_problem(await call(base, "k", "a", method="PATCH"), 422, "key_mismatch")
+    assert_problem(await call(base, "k", "a", extra=1), 422, "key_mismatch")  # query
+    assert (await call(base, "k", "a")).replayed
+    assert app.count() == 1
 
 
-async def test_options_key_function_and_repeat_response(app: App, handler: Handler) -> None:
-    def key(request: Any) -> str | None:
-        # aiohttp passes its Request, ASGI the scope: both carry the query string.
-        query = request["query_string"] if isinstance(request, dict) else request.query_string
-        text = query.decode() if isinstance(query, bytes) else query
-        return dict(p.split("=") for p in text.split("&") if p).get("id")
-
-    base = await app(
-        kind="orders",
-        key=key,
-        repeat_status=200,
-        repeat_body=lambda k, stored: {"replayed": k, "first": stored},
-    )
-    assert (await post(base, None, "a", id="o-1"))[0] == 201
-    status, body, _ = await post(base, "ignored-header", "b", id="o-1")
-    assert (status, body) == (200, {"replayed": "o-1", "first": {"status": 201}})
-    assert (await post(base, None, "c"))[0] == 201  # no id: no key, passes through
-    assert handler.calls == ["a", "c"]
+async def test_the_fingerprint_is_configurable(app: Setup) -> None:
+    base = await app.build(kind="orders", fingerprint=json_fingerprint(ignore=["sent_at"]))
+    first = await call(base, "k", '{"item": 1, "sent_at": 10}')
+    # Another timestamp and another field order: the same request.
+    again = await call(base, "k", '{"sent_at": 11, "item": 1}')
+    assert again.replayed and again.body == first.body
+    assert_problem(await call(base, "k", '{"item": 2, "sent_at": 10}'), 422, "key_mismatch")
+    # Without a fingerprint a reused key is replayed whatever the body.
+    unchecked = await app.build(kind="loose", fingerprint=None)
+    first = await call(unchecked, "k", "x")
+    assert (await call(unchecked, "k", "y")).body == first.body
+    assert app.count() == 2
 
 
-async def test_a_bad_key_is_a_400(app: App, handler: Handler) -> None:
-    base = await app(key=lambda request: "bad\x00key")  # NUL: refused as a value
-    status, body, _ = await post(base, None, "a")
-    assert status == 400 and body["error"] == "invalid_key"
-    assert handler.calls == []
+async def test_a_key_in_flight_gets_409_with_retry_after(app: Setup) -> None:
+    base = await app.build(retry_after_s=2)
+    slow = asyncio.create_task(call(base, "k", "a", sleep=1.5))
+    async with asyncio.timeout(DEADLINE_S):
+        while app.count() == 0:
+            await asyncio.sleep(0.01)
+    busy = await call(base, "k", "a", sleep=1.5)
+    assert_problem(busy, 409, "in_progress")
+    assert busy.headers["Retry-After"] == "2"
+    first = await slow
+    assert first.status == 201 and not first.replayed
+    again = await call(base, "k", "a", sleep=1.5)
+    assert again.replayed and again.body == first.body
+    assert app.count() == 1
+
+
+async def test_in_flight_wait_replays_to_concurrent_retries(app: Setup) -> None:
+    base = await app.build(in_flight="wait")
+    answers = await asyncio.gather(*(call(base, "k", "a", sleep=0.5) for _ in range(6)))
+    assert {(a.status, a.body) for a in answers} == {(201, answers[0].body)}
+    assert sorted(a.replayed for a in answers) == [False] + [True] * 5
+    assert app.count() == 1
+
+
+async def test_5xx_and_exceptions_are_never_stored(app: Setup) -> None:
+    base = await app.build()
+    steps = "500,503,x,201"
+    assert (await call(base, "k", "a", statuses=steps)).status == 500
+    assert (await call(base, "k", "a", statuses=steps)).status == 503
+    assert (await call(base, "k", "a", statuses=steps)).status == 500  # the handler raised
+    done = await call(base, "k", "a", statuses=steps)
+    assert done.status == 201 and not done.replayed
+    again = await call(base, "k", "a", statuses=steps)
+    assert again.replayed and again.body == done.body
+    assert app.count() == 4
+
+
+async def test_4xx_is_stored_unless_it_says_try_again(app: Setup) -> None:
+    base = await app.build()
+    first = await call(base, "k", "a", statuses="400,201")
+    assert first.status == 400
+    again = await call(base, "k", "a", statuses="400,201")
+    assert (again.status, again.body, again.replayed) == (400, first.body, True)
+    for status in (408, 409, 425, 429):  # never stored: the retry runs
+        body = f"s{status}"
+        assert (await call(base, body, body, statuses=f"{status},201")).status == status
+        assert (await call(base, body, body, statuses=f"{status},201")).status == 201
+        assert app.count(body) == 2
+    # store_4xx=False: no 4xx is stored.
+    strict = await app.build(kind="strict", store_4xx=False)
+    assert (await call(strict, "k", "b", statuses="404,201")).status == 404
+    assert (await call(strict, "k", "b", statuses="404,201")).status == 201
+    assert app.count("a") == 1 and app.count("b") == 2
+
+
+async def test_require_key_answers_400_on_the_guarded_methods(app: Setup) -> None:
+    base = await app.build(require_key=True, methods=["POST"])
+    assert_problem(await call(base, None, "a"), 400, "missing_key")
+    assert_problem(await call(base, "  ", "a"), 400, "missing_key")  # empty
+    assert app.count() == 0
+    assert (await call(base, None, "b", method="PATCH")).status == 201  # not guarded here
+    assert (await call(base, None, "b", method="GET")).status == 201
+    assert (await call(base, "k", "c")).status == 201
+    assert app.count() == 3
+
+
+async def test_keys_are_scoped(app: Setup) -> None:
+    def tenant(request: Any) -> str | None:
+        if isinstance(request, dict) and "headers" in request:  # the ASGI scope
+            found = dict(request["headers"]).get(b"x-tenant")
+            return None if found is None else found.decode()
+        if isinstance(request, dict):  # the WSGI environ
+            value: str | None = request.get("HTTP_X_TENANT")
+            return value
+        header: str | None = request.headers.get("X-Tenant")  # aiohttp's Request
+        return header
+
+    base = await app.build(scope=tenant)
+    a = await call(base, "k", "x", headers={"X-Tenant": "a"})
+    b = await call(base, "k", "x", headers={"X-Tenant": "b"})
+    assert a.body != b.body and not b.replayed  # two tenants, two keys
+    again = await call(base, "k", "x", headers={"X-Tenant": "a"})
+    assert again.replayed and again.body == a.body
+    assert app.count() == 2
+
+
+async def test_a_body_over_the_cap_replays_status_and_headers(app: Setup, pg_url: str) -> None:
+    base = await app.build(max_response_bytes=100)
+    first = await call(base, "big", "a", pad=500)
+    assert first.status == 201 and len(first.body) > 500
+    again = await call(base, "big", "a", pad=500)
+    assert again.replayed and again.headers["Idempotent-Body-Omitted"] == "true"
+    assert (again.status, again.body) == (201, b"")
+    assert again.headers["Location"] == first.headers["Location"]
+    small = await call(base, "small", "b")
+    assert "Idempotent-Body-Omitted" not in (await call(base, "small", "b")).headers
+    stored = await payloads(pg_url, "request")
+    assert stored["big"]["body"] is None
+    assert stored["small"]["body"].encode() == small.body
+    assert stored["small"]["status"] == 201 and len(stored["small"]["fp"]) == 64
+    assert app.count() == 2
+
+
+async def payloads(pg_url: str, kind: str) -> dict[str, Any]:
+    """The stored records of ``kind``, by key."""
+    conn = await asyncpg.connect(pg_url)
+    try:
+        rows = await conn.fetch("SELECT value, payload FROM dedup_items WHERE kind = $1", kind)
+    finally:
+        await conn.close()
+    return {row["value"]: orjson.loads(row["payload"]) for row in rows}
+
+
+async def test_ingest_mode_drops_repeats_without_storing_a_body(app: Setup, pg_url: str) -> None:
+    base = await app.build(kind="events", mode="ingest", duplicate_status=202)
+    first = await call(base, "e-1", "a")
+    assert first.status == 201
+    repeat = await call(base, "e-1", "another body: no fingerprint in ingest mode")
+    assert (repeat.status, repeat.json()) == (202, {"duplicate": True})
+    # Only a 2xx is stored: a 4xx is not a reason to drop the repeat.
+    assert (await call(base, "e-2", "b", statuses="400,201")).status == 400
+    assert (await call(base, "e-2", "b", statuses="400,201")).status == 201
+    assert await payloads(pg_url, "events") == {
+        "e-1": {"v": 1, "status": 201},
+        "e-2": {"v": 1, "status": 201},
+    }
+    assert app.count() == 3
+
+
+async def test_bad_keys_and_bodies_are_typed_problems(app: Setup) -> None:
+    base = await app.build(max_request_bytes=10)
+    assert_problem(await call(base, "k", "x" * 11), 413, "body_too_large")
+    nul = await app.build(kind="nul", key=lambda request: "bad\x00key")
+    assert_problem(await call(nul, None, "a"), 400, "invalid_key")
+    # Longer than the Gateway's max_value_bytes (servers refuse such a header already).
+    long = await app.build(kind="long", key=lambda request: "k" * 9000)
+    assert_problem(await call(long, None, "a"), 400, "invalid_key")
+    assert app.count() == 0
+
+
+async def test_concurrent_retries_from_several_processes(
+    redis_url: str, pg_url: str, tmp_path: Path
+) -> None:
+    """Three server processes per framework, one Redis and PostgreSQL: concurrent
+    retries of one key run the handler once and all get its bytes; a 500 is retried
+    on another process and runs again."""
+    children: list[subprocess.Popen[str]] = []
+    try:
+        for framework in FRAMEWORKS:
+            runs = tmp_path / f"runs-{framework}"
+            options = orjson.dumps({"kind": framework, "in_flight": "wait"}).decode()
+            bases = []
+            for _ in range(3):
+                child = subprocess.Popen(
+                    [sys.executable, "-m", "tests.middleware_child", framework, redis_url,
+                     pg_url, str(runs), options],
+                    cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                )  # fmt: skip
+                children.append(child)
+                bases.append(child)
+            urls = await asyncio.gather(*(asyncio.to_thread(_url_of, c) for c in bases))
+            answers = await asyncio.gather(
+                *(call(urls[i % 3], "same", "a", sleep=0.5) for i in range(12))
+            )
+            assert {(a.status, a.body) for a in answers} == {(201, answers[0].body)}, framework
+            assert sum(not a.replayed for a in answers) == 1
+            assert count_runs(runs, "a") == 1
+            # A 500 is not stored: the retry on another process runs the handler again.
+            steps = "500,201"
+            assert (await call(urls[0], "retry", "b", statuses=steps)).status == 500
+            second = await call(urls[1], "retry", "b", statuses=steps)
+            assert second.status == 201 and not second.replayed
+            third = await call(urls[2], "retry", "b", statuses=steps)
+            assert third.replayed and third.body == second.body
+            assert count_runs(runs, "b") == 2
+    finally:
+        for child in children:
+            assert child.stdin is not None
+            child.stdin.close()
+        for child in children:
+            try:
+                child.wait(timeout=DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            if child.stdout is not None:
+                child.stdout.close()
+
+
+def _url_of(child: subprocess.Popen[str]) -> str:
+    assert child.stdout is not None
+    line = child.stdout.readline()  # the child prints its URL, or dies (EOF)
+    assert line.startswith("URL "), f"the server process did not start: {line!r}"
+    return line.split()[1]
 
 
 def test_bad_options_are_typed() -> None:
     gw = Gateway("redis://127.0.0.1:1", "postgresql://u@127.0.0.1:1/db")  # never opened
-    with pytest.raises(InvalidInput):
-        dedup.aiohttp.middleware(gw, kind="")
-    with pytest.raises(InvalidInput):
-        dedup.aiohttp.middleware(gw, repeat_status=1000)
-    with pytest.raises(InvalidInput):
-        dedup.aiohttp.middleware("not a gateway")  # type: ignore[arg-type]
 
     async def inner(scope: Any, receive: Any, send: Any) -> None: ...
 
+    bad: list[dict[str, Any]] = [
+        {"kind": ""},
+        {"header": ""},
+        {"key": "header"},
+        {"scope": 1},
+        {"mode": "drop"},
+        {"in_flight": "queue"},
+        {"methods": "POST"},
+        {"replay_headers": "X-Run"},
+        {"require_key": 1},
+        {"store_4xx": "no"},
+        {"max_response_bytes": -1},
+        {"max_request_bytes": 0},
+        {"duplicate_status": 409},
+        {"retry_after_s": 1.5},
+    ]
+    for options in bad:
+        with pytest.raises(InvalidInput):
+            dedup.aiohttp.middleware(gw, **options)
+        with pytest.raises(InvalidInput):
+            dedup.asgi.DedupMiddleware(inner, gateway=gw, **options)
     with pytest.raises(InvalidInput):
-        DedupMiddleware(inner, gateway=gw, header="")
+        dedup.aiohttp.middleware("not a gateway")  # type: ignore[arg-type]
     with pytest.raises(InvalidInput):
-        DedupMiddleware(inner, gateway=gw, key="header")  # type: ignore[arg-type]
+        dedup.wsgi.DedupMiddleware(lambda e, s: [], gateway=gw)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        json_fingerprint(ignore="sent_at")

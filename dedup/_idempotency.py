@@ -1,0 +1,527 @@
+"""The HTTP idempotency rules that :mod:`dedup.asgi`, :mod:`dedup.aiohttp` and
+:mod:`dedup.wsgi` share, after the IETF draft "The Idempotency-Key HTTP Header
+Field" (draft-ietf-httpapi-idempotency-key-header) and the practice of Stripe's API
+and AWS Lambda Powertools:
+
+* which requests are guarded (``methods``) and what a missing key gets (400 with
+  ``require_key``);
+* the request's key: the header's value, unquoted, scoped by ``scope(request)``;
+* the fingerprint stored with the key (method, path, query and a digest of the body
+  by default; :func:`json_fingerprint` leaves fields of a JSON body out);
+* what is stored (:meth:`Idempotency.stores`): 2xx and 3xx, 4xx unless
+  ``store_4xx=False`` (never 408, 409, 425 or 429), never 5xx or an exception;
+* the record encoding (the JSON payload of the key's row in ``dedup_items``);
+* the answers: a replay of the stored response with ``Idempotent-Replayed: true``,
+  422 for a reused key, 409 with Retry-After while the key is in flight, and every
+  error of the middleware itself as an RFC 9457 ``application/problem+json`` body.
+
+The claim, the lease and its release are those of :meth:`dedup.Gateway.once`
+(:func:`dedup._embed.begin`): a key runs at most once fleet-wide while its runner
+lives, a response that must not be stored releases the lease, and the next request
+with the key runs the handler again. The framework modules only translate requests
+and responses.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http
+import inspect
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
+
+import orjson
+
+from dedup import _embed
+from dedup.errors import DedupError, InvalidInput, WaitTimeout
+from dedup.keys import validate_kind
+
+if TYPE_CHECKING:
+    from dedup.gateway import Gateway
+
+__all__ = [
+    "BODY_OMITTED_HEADER",
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "DEFAULT_MAX_RESPONSE_BYTES",
+    "NEVER_STORED",
+    "REPLAYED_HEADER",
+    "Capture",
+    "Fingerprint",
+    "Idempotency",
+    "Options",
+    "RequestInfo",
+    "Response",
+    "call_maybe",
+    "default_fingerprint",
+    "json_fingerprint",
+    "problem",
+]
+
+log = logging.getLogger("dedup")
+
+REPLAYED_HEADER = "Idempotent-Replayed"
+"""Set to ``true`` on a replayed response (the name Stripe and the draft's examples use)."""
+
+BODY_OMITTED_HEADER = "Idempotent-Body-Omitted"
+"""Set to ``true`` on a replay whose first body was over ``max_response_bytes``: the
+status and headers are the first response's, the body is empty."""
+
+NEVER_STORED = frozenset({408, 409, 425, 429})
+"""4xx answers that say "try again" (timeout, conflict, too early, too many requests):
+never stored, so a retry runs the handler."""
+
+DEFAULT_MAX_RESPONSE_BYTES = 32 * 1024
+"""Bodies up to this size are stored for replay: as base64 it still fits the
+Gateway's default ``max_payload_bytes`` (64 KiB) with room for the headers."""
+
+DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
+"""A guarded request's body is read (to fingerprint it) up to this size; a larger
+one gets 413. aiohttp's own ``client_max_size`` default is the same."""
+
+_ALWAYS_KEPT = ("content-type", "location")
+_RECORD_VERSION = 1
+_PROBLEM_TYPE = "application/problem+json"
+
+Mode = Literal["replay", "ingest"]
+InFlight = Literal["reject", "wait"]
+
+
+class Options(TypedDict, total=False):
+    """The options the three middlewares share, each described at :class:`Idempotency`."""
+
+    kind: str
+    header: str
+    mode: Mode
+    fingerprint: Fingerprint | None
+    methods: Iterable[str]
+    require_key: bool
+    in_flight: InFlight
+    store_4xx: bool
+    max_response_bytes: int
+    max_request_bytes: int
+    replay_headers: Iterable[str]
+    duplicate_status: int
+    retry_after_s: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What a fingerprint sees of a request: ``method`` (upper case), ``path`` (decoded,
+    with the app's root path), ``query`` (the raw query string) and ``body`` (bytes)."""
+
+    method: str
+    path: str
+    query: str
+    body: bytes
+
+
+Fingerprint = Callable[[RequestInfo], "bytes | str"]
+"""Maps a request to the bytes (or text) whose SHA-256 digest is its fingerprint."""
+
+
+def default_fingerprint(request: RequestInfo) -> bytes:
+    """Method, path, query string and the SHA-256 digest of the body."""
+    body_digest = hashlib.sha256(request.body).hexdigest()
+    return "\n".join((request.method, request.path, request.query, body_digest)).encode()
+
+
+def json_fingerprint(*, ignore: Iterable[str] = ()) -> Fingerprint:
+    """A fingerprint like :func:`default_fingerprint` whose body part is the JSON body
+    with the top-level fields ``ignore`` left out (keys sorted, so field order does
+    not count either); a body that is not a JSON object counts as its raw bytes.
+
+    For clients that put a timestamp or a retry counter in the body of a retry::
+
+        DedupMiddleware(app, gateway=gw, fingerprint=json_fingerprint(ignore=["sent_at"]))
+    """
+    if isinstance(ignore, str):
+        raise InvalidInput("ignore is a list of field names, not one string", field="ignore")
+    left_out = frozenset(ignore)
+    if not all(isinstance(name, str) for name in left_out):
+        raise InvalidInput("ignore holds field names (str)", field="ignore")
+
+    def fingerprint(request: RequestInfo) -> bytes:
+        body = request.body
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            data = None
+        if isinstance(data, dict):
+            kept = {k: v for k, v in data.items() if k not in left_out}
+            body = orjson.dumps(kept, option=orjson.OPT_SORT_KEYS)
+        return default_fingerprint(RequestInfo(request.method, request.path, request.query, body))
+
+    return fingerprint
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    """A response as the middlewares store, replay and send it: ``body`` None means
+    "over ``max_response_bytes``, not stored" (sent as an empty body)."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes | None
+
+    def wire_headers(self) -> list[tuple[str, str]]:
+        """The headers to send, with a Content-Length for the body."""
+        return [*self.headers, ("Content-Length", str(len(self.body or b"")))]
+
+    def status_line(self) -> str:
+        """``"201 Created"``: the status as WSGI wants it."""
+        try:
+            phrase = http.HTTPStatus(self.status).phrase
+        except ValueError:
+            phrase = "Unknown"
+        return f"{self.status} {phrase}"
+
+
+def problem(
+    status: int, code: str, detail: str, headers: tuple[tuple[str, str], ...] = ()
+) -> Response:
+    """An RFC 9457 problem answer of the middleware itself; ``code`` (the ``error``
+    member) names the problem for programs: ``missing_key``, ``invalid_key``,
+    ``key_mismatch``, ``in_progress``, ``body_too_large``, ``unavailable``."""
+    body = {
+        "type": "about:blank",
+        "title": http.HTTPStatus(status).phrase,
+        "status": status,
+        "detail": detail,
+        "error": code,
+    }
+    return Response(status, (("Content-Type", _PROBLEM_TYPE), *headers), orjson.dumps(body))
+
+
+class Capture:
+    """A handler's response as it is sent: status, headers, and the body while it stays
+    within ``limit`` bytes (past it, the body is dropped and :attr:`body` is None)."""
+
+    __slots__ = ("_chunks", "_limit", "_size", "headers", "status")
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._chunks: list[bytes] | None = []
+        self._size = 0
+        self.status: int | None = None
+        self.headers: tuple[tuple[str, str], ...] = ()
+
+    def start(self, status: int, headers: Iterable[tuple[str, str]]) -> None:
+        """The response's status and headers."""
+        self.status = status
+        self.headers = tuple(headers)
+
+    def add(self, chunk: bytes) -> None:
+        """A piece of the body."""
+        if self._chunks is None or not chunk:
+            return
+        self._size += len(chunk)
+        if self._size > self._limit:
+            self._chunks = None  # over the cap: status and headers only
+        else:
+            self._chunks.append(bytes(chunk))
+
+    @property
+    def body(self) -> bytes | None:
+        """The body so far, or None once it went over the limit."""
+        return None if self._chunks is None else b"".join(self._chunks)
+
+
+class Idempotency:
+    """The validated options of one middleware and the rules it applies.
+
+    The options (shared by the three middlewares; see the README's status table):
+
+    - ``kind="request"``: the kind the keys are saved under (one row per key in
+      ``dedup_items``; retention is the Gateway's, see the README).
+    - ``header="Idempotency-Key"``; ``key`` and ``scope`` are the framework's
+      callables, kept here as given.
+    - ``mode="replay"``: store and replay responses; ``"ingest"`` only drops repeats
+      of a 2xx: a repeat gets ``duplicate_status`` (200) with ``{"duplicate": true}``.
+    - ``fingerprint``: a :data:`Fingerprint`, default :func:`default_fingerprint`;
+      None stores none (a reused key is then replayed, never 422).
+    - ``methods=("POST", "PATCH")``: the methods guarded; others pass through.
+    - ``require_key=False``: True answers 400 to a guarded request without a key.
+    - ``in_flight="reject"``: 409 with Retry-After while the key is being handled;
+      ``"wait"`` waits (at most the Gateway's ``wait_timeout_s``) and replays.
+    - ``store_4xx=True``: store 4xx answers (never 408, 409, 425, 429).
+    - ``max_response_bytes``: bodies up to this size are stored (32 KiB).
+    - ``max_request_bytes``: a guarded body is read up to this size, else 413 (1 MiB).
+    - ``replay_headers=()``: response headers kept besides Content-Type and Location.
+    - ``retry_after_s=1``: the Retry-After of a 409 and a 503.
+    """
+
+    __slots__ = ("duplicate_status", "fingerprinter", "header", "in_flight", "key", "kind",
+                 "max_request_bytes", "max_response_bytes", "methods", "mode", "replay_headers",
+                 "require_key", "retry_after", "scope", "store_4xx")  # fmt: skip
+
+    def __init__(
+        self,
+        *,
+        kind: str = "request",
+        header: str = "Idempotency-Key",
+        key: Callable[..., Any] | None = None,
+        scope: Callable[..., Any] | None = None,
+        mode: Mode = "replay",
+        fingerprint: Fingerprint | None = default_fingerprint,
+        methods: Iterable[str] = ("POST", "PATCH"),
+        require_key: bool = False,
+        in_flight: InFlight = "reject",
+        store_4xx: bool = True,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        replay_headers: Iterable[str] = (),
+        duplicate_status: int = 200,
+        retry_after_s: int = 1,
+    ) -> None:
+        self.kind = validate_kind(kind)
+        if not isinstance(header, str) or not header.strip():
+            raise InvalidInput("header must be a header name", field="header")
+        self.header = header.strip()
+        for name, fn in (("key", key), ("scope", scope), ("fingerprint", fingerprint)):
+            if fn is not None and not callable(fn):
+                raise InvalidInput(f"{name} must be a callable", field=name)
+        self.key = key
+        self.scope = scope
+        self.fingerprinter = fingerprint
+        if mode not in ("replay", "ingest"):
+            raise InvalidInput('mode must be "replay" or "ingest"', field="mode")
+        self.mode: Mode = mode
+        if in_flight not in ("reject", "wait"):
+            raise InvalidInput('in_flight must be "reject" or "wait"', field="in_flight")
+        self.in_flight: InFlight = in_flight
+        if isinstance(methods, str) or not all(isinstance(m, str) for m in methods):
+            raise InvalidInput('methods is a list of method names, e.g. ["POST"]', field="methods")
+        self.methods = frozenset(m.upper() for m in methods)
+        if isinstance(replay_headers, str) or not all(isinstance(h, str) for h in replay_headers):
+            raise InvalidInput("replay_headers is a list of header names", field="replay_headers")
+        self.replay_headers = frozenset((*_ALWAYS_KEPT, *(h.lower() for h in replay_headers)))
+        self.require_key = _flag(require_key, "require_key")
+        self.store_4xx = _flag(store_4xx, "store_4xx")
+        self.max_response_bytes = _whole(max_response_bytes, "max_response_bytes", 0)
+        self.max_request_bytes = _whole(max_request_bytes, "max_request_bytes", 1)
+        self.retry_after = str(_whole(retry_after_s, "retry_after_s", 0))
+        if type(duplicate_status) is not int or not 200 <= duplicate_status <= 299:
+            raise InvalidInput("duplicate_status must be a 2xx status", field="duplicate_status")
+        self.duplicate_status = duplicate_status
+
+    # ------------------------------------------------------------ the request side
+
+    def guards(self, method: str) -> bool:
+        """Whether requests of ``method`` are guarded (the others pass through)."""
+        return method.upper() in self.methods
+
+    def missing_key(self) -> Response | None:
+        """The answer to a guarded request without a key: 400 with ``require_key``,
+        else None (the request passes through untouched)."""
+        if not self.require_key:
+            return None
+        return problem(400, "missing_key", f"this request needs an {self.header} header")
+
+    @staticmethod
+    def key_from_header(raw: str | None) -> str | None:
+        """The key in a header value: stripped, and unquoted when it is the draft's
+        quoted sf-string form (``"abc"`` and ``abc`` are the same key); None if empty."""
+        if raw is None:
+            return None
+        text = raw.strip()
+        if len(text) >= 2 and text[0] == text[-1] == '"':
+            text = text[1:-1]
+        return text or None
+
+    @property
+    def reads_body(self) -> bool:
+        """Whether a guarded request's body is read before the handler (to fingerprint it)."""
+        return self.mode == "replay" and self.fingerprinter is not None
+
+    def body_too_large(self, size: int) -> Response | None:
+        """413 when a body of ``size`` bytes is over ``max_request_bytes``."""
+        if size <= self.max_request_bytes:
+            return None
+        return problem(
+            413,
+            "body_too_large",
+            f"a request with an idempotency key may have at most {self.max_request_bytes} "
+            "bytes of body",
+        )
+
+    def fingerprint(self, request: RequestInfo) -> str | None:
+        """The hex SHA-256 of the request's fingerprint, or None without one."""
+        if not self.reads_body or self.fingerprinter is None:
+            return None
+        raw = self.fingerprinter(request)
+        if isinstance(raw, str):
+            raw = raw.encode()
+        if not isinstance(raw, bytes | bytearray):
+            raise TypeError("a fingerprint function returns bytes or str")
+        return hashlib.sha256(raw).hexdigest()
+
+    @staticmethod
+    def value(key: str, scope: str | None) -> str:
+        """The Gateway value of ``key`` in ``scope``: the scope's length first, so no
+        pair of (scope, key) can spell another's."""
+        if scope is None or scope == "":
+            return key
+        if not isinstance(scope, str):
+            raise InvalidInput("scope(request) must return a str or None", field="scope")
+        return f"{len(scope)}:{scope}:{key}"
+
+    # -------------------------------------------------------------- the claim
+
+    async def claim(
+        self, gateway: Gateway, value: str, fingerprint: str | None
+    ) -> _embed.Lease | Response:
+        """Claim the key: a :class:`~dedup._embed.Lease` when this request is to run the
+        handler, else the answer (a replay, 422, the ingest repeat, or an error)."""
+        wait_s = None if self.in_flight == "wait" else 0.0
+        try:
+            claimed = await _embed.begin(gateway, self.kind, value, wait_s=wait_s)
+        except DedupError as exc:
+            return self.error(exc)
+        if isinstance(claimed, _embed.Lease):
+            return claimed
+        return self.answer_saved(claimed.payload, fingerprint)
+
+    def error(self, exc: DedupError) -> Response:
+        """The answer to an error of the claim: 400 for a bad key, 409 with Retry-After
+        while the key is in flight, 503 with Retry-After when Redis or the database
+        cannot serve (degraded mode included: a second run could not be ruled out)."""
+        retry = (("Retry-After", self.retry_after),)
+        if isinstance(exc, InvalidInput):
+            return problem(400, "invalid_key", str(exc))
+        if isinstance(exc, WaitTimeout):
+            detail = "a request with this idempotency key is still being handled; retry later"
+            return problem(409, "in_progress", detail, retry)
+        return problem(503, "unavailable", str(exc), retry)
+
+    def answer_saved(self, payload: Any, fingerprint: str | None) -> Response:
+        """The answer to a request whose key is saved with ``payload``."""
+        if self.mode == "ingest":
+            json_type = (("Content-Type", "application/json"),)
+            return Response(self.duplicate_status, json_type, b'{"duplicate":true}')
+        stored_fp, first = _decode(payload)
+        if fingerprint is not None and stored_fp is not None and fingerprint != stored_fp:
+            return problem(
+                422,
+                "key_mismatch",
+                "this idempotency key was used with another request (method, path or body)",
+            )
+        headers: tuple[tuple[str, str], ...] = (*first.headers, (REPLAYED_HEADER, "true"))
+        if first.body is None:
+            headers = (*headers, (BODY_OMITTED_HEADER, "true"))
+        return Response(first.status, headers, first.body)
+
+    # -------------------------------------------------------------- the outcome
+
+    def stores(self, status: int) -> bool:
+        """Whether a handler's answer with ``status`` is stored for the key."""
+        if self.mode == "ingest":
+            return 200 <= status <= 299
+        if 400 <= status <= 499:
+            return self.store_4xx and status not in NEVER_STORED
+        return 200 <= status <= 399
+
+    def kept(self, headers: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+        """The response headers that are stored: Content-Type, Location, ``replay_headers``."""
+        return tuple((n, v) for n, v in headers if n.lower() in self.replay_headers)
+
+    async def settle(
+        self,
+        gateway: Gateway,
+        lease: _embed.Lease,
+        status: int | None,
+        headers: Iterable[tuple[str, str]],
+        body: bytes | None,
+        fingerprint: str | None,
+    ) -> None:
+        """Store the handler's answer under the lease, or release the lease when the
+        answer must not be stored (``status`` None: the handler sent none). Called
+        before the response's last bytes go out, so that a client's next request
+        finds the key settled."""
+        if status is None or not self.stores(status):
+            await lease.fail()
+            return
+        record = self._record(status, self.kept(headers), body, fingerprint)
+        limit = gateway._parts().limits.max_payload_bytes
+        if body is not None and len(orjson.dumps(record)) > limit:
+            # The body does not fit the Gateway's payload limit: status and headers only.
+            record = self._record(status, self.kept(headers), None, fingerprint)
+        try:
+            await lease.finish(record)
+        except DedupError as exc:
+            # The lease is released: the key stays unsaved and a retry runs again.
+            log.warning("could not store the response of a request key (a %d): %r", status, exc)
+
+    def _record(
+        self,
+        status: int,
+        headers: tuple[tuple[str, str], ...],
+        body: bytes | None,
+        fingerprint: str | None,
+    ) -> dict[str, Any]:
+        if self.mode == "ingest":
+            return {"v": _RECORD_VERSION, "status": status}
+        return {
+            "v": _RECORD_VERSION,
+            "fp": fingerprint,
+            "status": status,
+            "headers": [list(h) for h in headers],
+            **_encode_body(body),
+        }
+
+
+def _encode_body(body: bytes | None) -> dict[str, Any]:
+    """The body in the record: as text when it is UTF-8 without NUL (jsonb refuses NUL),
+    which most API bodies are and which keeps the row readable; else as base64."""
+    if body is None:
+        return {"body": None}
+    if b"\x00" not in body:
+        try:
+            return {"body": body.decode("utf-8")}
+        except UnicodeDecodeError:
+            pass
+    return {"body": base64.b64encode(body).decode("ascii"), "b64": True}
+
+
+def _decode(payload: Any) -> tuple[str | None, Response]:
+    """(fingerprint, response) of a stored record. A payload of another shape (a key
+    saved by an older middleware or by a plain ``save``) replays its status, if it
+    has one, with no body and no fingerprint to compare."""
+    if not isinstance(payload, dict) or payload.get("v") != _RECORD_VERSION:
+        status = payload.get("status") if isinstance(payload, dict) else None
+        return None, Response(status if isinstance(status, int) else 200, (), None)
+    raw = payload.get("body")
+    body: bytes | None
+    if raw is None:
+        body = None
+    elif payload.get("b64"):
+        body = base64.b64decode(raw)
+    else:
+        body = raw.encode("utf-8")
+    headers = tuple((str(n), str(v)) for n, v in payload.get("headers", ()))
+    return payload.get("fp"), Response(int(payload["status"]), headers, body)
+
+
+async def call_maybe(fn: Callable[[Any], Any] | None, request: Any) -> Any:
+    """``fn(request)``, awaited when it returns an awaitable; None without ``fn``. (The
+    async middlewares take sync or async ``key`` and ``scope`` functions.)"""
+    if fn is None:
+        return None
+    found = fn(request)
+    if inspect.isawaitable(found):
+        found = await found
+    return found
+
+
+def _flag(value: object, name: str) -> bool:
+    if type(value) is not bool:
+        raise InvalidInput(f"{name} must be True or False", field=name)
+    return value
+
+
+def _whole(value: object, name: str, minimum: int) -> int:
+    if type(value) is not int or value < minimum:
+        raise InvalidInput(f"{name} must be an int >= {minimum}", field=name)
+    return value
