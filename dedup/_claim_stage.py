@@ -54,8 +54,21 @@ class ClaimStage:
 
     async def run(self, batch: list[Flight]) -> None:
         """Claim ``batch`` in one script call and route every value by its answer."""
-        if self.shared is not None:  # the fleet writer's word may have answered some
+        shared_writes = self.shared
+        if shared_writes is not None:  # the fleet writer's word may have answered some
             batch = [f for f in batch if not f.done]
+            # Queued rows still without a word as their callers' deadlines near.
+            due = [f for f in batch if f.shared and shared_writes.waiting(f)]
+            if due:
+                batch = [f for f in batch if not (f.shared and shared_writes.waiting(f))]
+                # (the rest first: the rows taken back below are written, not claimed)
+                try:
+                    await shared_writes.take_back(due, due=True)
+                except (RedisError, OSError) as exc:
+                    self._stats.redis_errors += 1
+                    self._degraded.redis_failed(exc)
+                    for f in due:  # the writer's word may still come, else they time out
+                        self._waits.wait(f)
             if not batch:
                 return
         started = self._loop.time()
@@ -83,12 +96,10 @@ class ClaimStage:
             if letter == "W":
                 f.claimed_at = started
                 if f.shared:
-                    # A queued row with no word in time, or handed back: write it here
-                    # (the lease is ours), unless an earlier claim of it already does.
-                    assert owner is not None
-                    if owner.take_back(f):
-                        writes.append(f)
-                        won = True
+                    # Its row went to the fleet's writer once and the lease was lost
+                    # meanwhile: won again, it is written here.
+                    writes.append(f)
+                    won = True
                 elif shared is not None:
                     f.shared = True
                     queued.append(f)

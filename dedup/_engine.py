@@ -171,6 +171,7 @@ class Engine:
                 flights=self.flights,
                 waits=self.waits,
                 requeue=self.claim_queue.extend,
+                write_here=self.write_queue.extend,
                 stats=stats,
                 redis_failed=self.degraded.redis_failed,
                 usable=lambda: not self.degraded.active,

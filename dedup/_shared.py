@@ -16,16 +16,20 @@ markers but each writes its own rows into its own database.
 
 Nothing is acknowledged before the row is committed, and no wait is unbounded:
 
-* a claimant renews the leases of its queued rows while it waits (so no other
-  gateway can claim a value whose row is still queued), and takes a row back to
-  write it itself when no word comes within a lease (or sooner, so that it still
-  ends by the caller's ``wait_timeout_s``), when the queue is full, or when the
-  writer answers ``r``;
+* a queued row's lease holds a token naming the claim; the claimant renews it while
+  it waits (so no other gateway can claim a value whose row is still queued);
 * the writer checks every row it pops (format, claim, signature with
-  ``shared_secret``, the save's own checks) and that its claimant still holds the
-  lease, then writes; a writer whose statement times out, or fails a few times in a
-  row, answers ``r`` for its rows, gives up the role and rests a while, so a writer
-  cut off from its database never holds up the fleet;
+  ``shared_secret``, the save's own checks) and swaps its term into the row's lease
+  in the same script that checks the lease is still queued, then writes; a claimant
+  takes a row back (the lease is its own again) in one script too, only while no
+  writer holds it: so a row is written by the writer or by its claimant, never by
+  both, and the one ``created=True`` is never lost between them. It takes rows back
+  when the writer answers ``r``, when the term it waits for ends or changes, or in
+  time for its caller's ``wait_timeout_s``; it writes them itself when the queue is
+  full;
+* a writer whose statement times out, or fails a few times in a row, hands its rows
+  back (``r``), gives up the role and rests a while, so a writer cut off from its
+  database never holds up the fleet;
 * answers name their claim (gateway and nonce), so a stale answer resolves nothing.
 
 The mode: ``shared_writes="auto"`` (the default) writes across processes while
@@ -80,18 +84,35 @@ return redis.call('ZREM', KEYS[1], ARGV[1])
 """
 
 ENQUEUE = """
--- KEYS[1]: the write queue; KEYS[2]: the writer's term (set while a writer pops)
--- ARGV[1]: the most rows the queue may hold; ARGV[2]: its expiry in ms; ARGV[3..]: rows
--- Returns: {1 when the rows were added, 0 when they would pass the cap (none added),
---   the writer's term or false}
-local n = #ARGV - 2
+-- KEYS[1]: the write queue; KEYS[2]: the writer's term (set while a writer pops);
+--   KEYS[2+i]: the lease key of row i
+-- ARGV[1]: the most rows the queue may hold; ARGV[2]: its expiry in ms; ARGV[3]: the
+--   claimant's token; ARGV[4]: the lease in ms; ARGV[3+2i]: row i's queued token (the
+--   claimant's token, '#', the claim's nonce); ARGV[4+2i]: row i
+-- Returns: {1 when the rows fit under the cap, 0 when not (none queued), the writer's
+--   term or false, one character per row: 1 queued, 0 not (its lease is no longer the
+--   claimant's)}
+-- A queued row's lease holds its queued token: only a writer that finds it there may
+-- write the row, and only a claimant that finds it there may take the row back.
+local n = #KEYS - 2
 local term = redis.call('GET', KEYS[2])
-if redis.call('LLEN', KEYS[1]) + n > tonumber(ARGV[1]) then return {0, term} end
-for i = 3, #ARGV, 1000 do
-  redis.call('RPUSH', KEYS[1], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+if redis.call('LLEN', KEYS[1]) + n > tonumber(ARGV[1]) then return {0, term, ''} end
+local token, lease, rows, out = ARGV[3], ARGV[4], {}, {}
+for i = 1, n do
+  local key = KEYS[2 + i]
+  if redis.call('GET', key) == token then
+    redis.call('SET', key, ARGV[3 + 2 * i], 'PX', lease)
+    rows[#rows + 1] = ARGV[4 + 2 * i]
+    out[i] = '1'
+  else
+    out[i] = '0'
+  end
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {1, term}
+for i = 1, #rows, 1000 do
+  redis.call('RPUSH', KEYS[1], unpack(rows, i, math.min(i + 999, #rows)))
+end
+if #rows > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return {1, term, table.concat(out)}
 """
 
 POP = """
@@ -106,28 +127,55 @@ return rows
 """
 
 RENEW = """
--- KEYS[1]: the writer's term; KEYS[2..]: the lease keys of rows a claimant queued and
+-- KEYS[1]: the writer's term; KEYS[1+i]: the lease key of a row a claimant queued and
 --   still waits for
--- ARGV[1]: the claimant's token; ARGV[2]: the lease in ms
--- Returns: the writer's term or false (each lease still the claimant's is renewed)
+-- ARGV[1]: the lease in ms; ARGV[1+i]: row i's queued token
+-- Returns: the writer's term or false (each lease still holding its queued token is
+--   renewed; one a writer holds is the writer's to renew)
 for i = 2, #KEYS do
-  if redis.call('GET', KEYS[i]) == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[i], ARGV[2])
+  if redis.call('GET', KEYS[i]) == ARGV[i] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[1])
   end
 end
 return redis.call('GET', KEYS[1])
 """
 
+TAKE_BACK = """
+-- KEYS[1]: the writer's term; KEYS[1+i]: the lease key of a row the claimant queued
+-- ARGV[1]: the claimant's token; ARGV[2]: the lease in ms; ARGV[2+i]: row i's queued token
+-- Returns: {one letter per row, the writer's term or false}:
+--   o = taken back: the lease is the claimant's again (renewed), no writer will write it;
+--   h = a writer of the current term holds it (its word comes);
+--   d = a writer of an ended term holds it (its lease expires unless it answers);
+--   x = the lease is gone (saved, expired, or another's)
+local term = redis.call('GET', KEYS[1])
+local out = {}
+for i = 2, #KEYS do
+  local v, queued = redis.call('GET', KEYS[i]), ARGV[1 + i]
+  if v == queued then
+    redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[2])
+    out[i - 1] = 'o'
+  elseif v and string.sub(v, 1, #queued + 1) == queued .. '@' then
+    out[i - 1] = (term and string.sub(v, #queued + 2) == term) and 'h' or 'd'
+  else
+    out[i - 1] = 'x'
+  end
+end
+return {table.concat(out), term}
+"""
+
 HOLD = """
 -- KEYS: the lease keys of the rows a writer popped
--- ARGV[1]: the lease in ms; ARGV[1+i]: the token row i was queued under
--- Returns: one character per row: 1 when its claimant still holds the lease (now
---   renewed for a lease, so that the statement ends inside it), 0 when not (it
---   expired, another claimant took it, or the value is saved)
-local lease, out = ARGV[1], {}
+-- ARGV[1]: the lease in ms; ARGV[2]: the writer's term; ARGV[2+i]: row i's queued token
+-- Returns: one character per row: 1 when its lease still held the queued token (it now
+--   holds the queued token, '@', the term, for a lease, so that the statement ends
+--   inside it and its claimant cannot take it back), 0 when not (taken back, expired,
+--   another claimant's, or saved)
+local lease, term, out = ARGV[1], ARGV[2], {}
 for i, key in ipairs(KEYS) do
-  if redis.call('GET', key) == ARGV[1 + i] then
-    redis.call('PEXPIRE', key, lease)
+  local queued = ARGV[2 + i]
+  if redis.call('GET', key) == queued then
+    redis.call('SET', key, queued .. '@' .. term, 'PX', lease)
     out[i] = '1'
   else
     out[i] = '0'
@@ -136,8 +184,25 @@ end
 return table.concat(out)
 """
 
+UNHOLD = """
+-- KEYS: the lease keys of rows a writer held and could not write
+-- ARGV[1]: the lease in ms; ARGV[2]: the writer's term; ARGV[2+i]: row i's queued token
+-- Returns: how many were still held by this term (each now queued again, for its
+--   claimant to take back)
+local n = 0
+for i, key in ipairs(KEYS) do
+  local queued = ARGV[2 + i]
+  if redis.call('GET', key) == queued .. '@' .. ARGV[2] then
+    redis.call('SET', key, queued, 'PX', ARGV[1])
+    n = n + 1
+  end
+end
+return n
+"""
+
 _HEARTBEAT, _LEAVE, _ENQUEUE = Script(HEARTBEAT), Script(LEAVE), Script(ENQUEUE)
-_POP, _RENEW, _HOLD = Script(POP), Script(RENEW), Script(HOLD)
+_POP, _RENEW, _TAKE_BACK = Script(POP), Script(RENEW), Script(TAKE_BACK)
+_HOLD, _UNHOLD = Script(HOLD), Script(UNHOLD)
 _HEARTBEAT_S = 1.0
 _POP_BLOCK_S = 0.1
 _IDLE_S = 0.2
@@ -146,19 +211,29 @@ _MAX_FAILURES = 3
 _REST_LEASES = 3
 """Leases a writer that gave up the role waits before standing again."""
 _WARN_EVERY_S = 10.0
+_ANSWER_GRACE_S = 0.25
+"""How long a claimant that finds its queued row's lease gone waits for the writer's word
+before claiming the value afresh (the word is published before the lease goes)."""
 
 
 class _Queued:
-    """A row this gateway queued and still waits for: its flight, the claim's nonce,
-    the writer's term when it was queued, and whether it is being claimed back."""
+    """A row this gateway queued and still waits for: its flight, the claim's nonce, the
+    token its lease holds while queued, the writer's term it waits for (None: none was
+    popping), and whether a take-back of it is under way."""
 
-    __slots__ = ("flight", "nonce", "returning", "term")
+    __slots__ = ("flight", "gone", "nonce", "queued", "returning", "term")
 
-    def __init__(self, flight: Flight, nonce: int, term: bytes | None) -> None:
+    def __init__(self, flight: Flight, nonce: int, queued: str, term: bytes | None) -> None:
         self.flight = flight
         self.nonce = nonce
+        self.queued = queued
         self.term = term
         self.returning = False
+        self.gone = False  # its lease was found gone once: the writer's word may be on its way
+
+
+_ENDED = b""
+"""The term of a row held by a writer whose term ended: never the current one."""
 
 
 class SharedWrites:
@@ -182,6 +257,7 @@ class SharedWrites:
         flights: FlightTable,
         waits: WaitQueue,
         requeue: Callable[[list[Flight]], None],
+        write_here: Callable[[list[Flight]], None],
         stats: Stats,
         redis_failed: Callable[[BaseException], object],
         usable: Callable[[], bool],
@@ -202,6 +278,7 @@ class SharedWrites:
         self._flights = flights
         self._waits = waits
         self._requeue = requeue
+        self._write_here = write_here
         self._stats = stats
         self._redis_failed = redis_failed
         self._usable = usable
@@ -285,14 +362,15 @@ class SharedWrites:
 
     async def enqueue(self, won: list[Flight]) -> list[Flight]:
         """Queue the rows of ``won`` (leases held) for the writer, then wait for its word;
-        returns those to write here instead (too close to their deadline, or the queue
-        is full).
+        returns those to write here instead (too close to their deadline, the queue is
+        full, or the lease is no longer ours).
 
-        A queued row waits while the writer that was popping when it was queued goes on
-        popping (its term lasts); its lease is renewed meanwhile. It is claimed again
-        (the lease is ours, so it is extended) and written here when that writer stops
-        or changes, when the writer answers ``r``, or when its caller's
-        ``wait_timeout_s`` leaves just enough time to write it.
+        A queued row's lease holds its queued token, renewed while the row waits. The
+        writer that pops it swaps in its term before writing (so nobody else takes
+        it); this gateway takes it back (the lease is ours again) and writes it here
+        when the writer answers ``r``, when the term it waits for ends or changes
+        before a writer holds it, or when its caller's ``wait_timeout_s`` leaves just
+        enough time to write it. Either the writer or this gateway writes it, never both.
         """
         now = self._loop.time()
         budget = self._write_budget_s
@@ -306,40 +384,127 @@ class SharedWrites:
             return here
         gw, token, row = self.gateway_id, self._claims.token, self._wire.row
         nonces = [next(self._nonces) for _ in queued]
-        rows = [
-            row(gw, n, token, f.key, f.kind, f.value, f.payload_json)
-            for f, n in zip(queued, nonces, strict=True)
-        ]
+        tokens = [f"{token}#{n}" for n in nonces]
+        args: list[Any] = [self._queue_max, self._queue_ttl_ms, token, self._lease_ms]
+        for f, n, t in zip(queued, nonces, tokens, strict=True):
+            args += (t, row(gw, n, t, f.key, f.kind, f.value, f.payload_json))
+        # Waited for from now on: the writer may pop, write and answer a row before
+        # the script's reply is read here, and its word must find the claim.
+        pending = self._pending
+        entries = [_Queued(f, n, t, None) for f, n, t in zip(queued, nonces, tokens, strict=True)]
+        for e in entries:
+            pending[e.flight.key] = e
+
+        def forget(e: _Queued) -> bool:  # False if the writer's word came first
+            if pending.get(e.flight.key) is not e:
+                return False
+            del pending[e.flight.key]
+            return not e.flight.done
+
         # The rows carry values in clear: none outlives its use. A row older than a
         # lease is written by its claimant anyway, so the queue of a fleet that died
         # vanishes two leases after its last push.
-        (added, term), trips = await _ENQUEUE(
-            self._client,
-            [self._queue_key, self._term_key],
-            [self._queue_max, self._queue_ttl_ms, *rows],
-        )
+        try:
+            (added, term, flags), trips = await _ENQUEUE(
+                self._client, [self._queue_key, self._term_key, *(f.key for f in queued)], args
+            )
+        except BaseException:
+            for e in entries:  # never queued: the caller writes them
+                forget(e)
+            raise
         self._stats.redis_round_trips += trips
         if not added:  # past the cap: the writer is behind, write these here
             self._stats.shared_queue_full += len(queued)
-            return here + queued
-        self._stats.shared_rows_queued += len(rows)
+            return here + [e.flight for e in entries if forget(e)]
         term = term or None
-        pending, recheck = self._pending, self._waits.recheck_at
-        for f, n in zip(queued, nonces, strict=True):
-            pending[f.key] = _Queued(f, n, term)
-            # With no word by then (a lost answer), it is written here in time.
-            recheck(f, f.deadline - budget)
+        flags = flags.decode() if isinstance(flags, bytes) else str(flags)
+        recheck = self._waits.recheck_at
+        for e, flag in zip(entries, flags, strict=True):
+            if flag != "1":  # the lease slipped away meanwhile: the write stage decides
+                if forget(e):
+                    here.append(e.flight)
+                continue
+            self._stats.shared_rows_queued += 1
+            if pending.get(e.flight.key) is e:  # no word yet
+                e.term = term
+                # With no word by then (a lost answer), it is taken back in time.
+                recheck(e.flight, e.flight.deadline - budget)
         return here
 
-    def take_back(self, f: Flight) -> bool:
-        """``f``'s row, queued once, was claimed again (no word in time, or ``r``): True
-        if it is to be written here now, False if that was decided already."""
+    def waiting(self, f: Flight) -> bool:
+        """Whether ``f``'s row is queued and this gateway still waits for its word."""
         entry = self._pending.get(f.key)
-        if entry is None or entry.flight is not f:
-            return False
-        del self._pending[f.key]
-        self._stats.shared_rows_returned += 1
-        return True
+        return entry is not None and entry.flight is f
+
+    async def take_back(self, flights: list[Flight], *, due: bool = False) -> None:
+        """Take the rows of ``flights`` (queued, with no word yet) back to write them here.
+
+        One script decides each row: taken back (the lease is ours again: written
+        here), held by the current writer (its word comes), held by a writer whose term
+        ended (its lease runs out unless it answers), or gone (claimed afresh). ``due``:
+        their callers' deadline nears, so rows that stay with a writer wait as busy
+        values do, ending by the deadline. Redis errors propagate.
+        """
+        entries = []
+        for f in flights:
+            entry = self._pending.get(f.key)
+            if entry is not None and entry.flight is f and not entry.returning:
+                entry.returning = True
+                entries.append(entry)
+        if not entries:
+            return
+        started = self._loop.time()
+        try:
+            letters: Any = ""
+            term: Any = None
+            for i in range(0, len(entries), 1000):
+                part = entries[i : i + 1000]
+                (got, term), trips = await _TAKE_BACK(
+                    self._client,
+                    [self._term_key, *(e.flight.key for e in part)],
+                    [self._claims.token, self._lease_ms, *(e.queued for e in part)],
+                )
+                self._stats.redis_round_trips += trips
+                letters += got.decode() if isinstance(got, bytes) else str(got)
+        finally:
+            for e in entries:
+                e.returning = False
+        term = term or None
+        pending, stats = self._pending, self._stats
+        here: list[Flight] = []
+        again: list[Flight] = []
+        for e, letter in zip(entries, letters, strict=True):
+            f = e.flight
+            if f.done or pending.get(f.key) is not e:
+                continue  # answered meanwhile
+            if letter == "o":  # ours again: written here
+                del pending[f.key]
+                stats.shared_rows_returned += 1
+                f.claimed_at = started  # the script renewed the lease
+                here.append(f)
+            elif letter == "x" and not e.gone:
+                # Most often a writer wrote it and marked it saved just now: its word,
+                # published first, may still be on its way. Look again a moment later.
+                e.gone, e.term = True, _ENDED
+                self._waits.recheck_at(f, min(self._loop.time() + _ANSWER_GRACE_S, f.deadline))
+            elif letter == "x":  # still gone, no word: claimed afresh (won again, it
+                del pending[f.key]  # is written here; saved, it answers created=False)
+                stats.shared_rows_returned += 1
+                again.append(f)
+            else:
+                e.term = term if letter == "h" else _ENDED
+                if due:
+                    self._waits.wait(f)
+        if here:
+            self._write_here(here)
+        if again:
+            self._requeue(again)
+
+    async def _take_back_soon(self, flights: list[Flight]) -> None:
+        try:
+            await self.take_back(flights)
+        except (RedisError, OSError) as exc:
+            self._redis_failed(exc)
 
     def _answer(self, message: bytes) -> None:
         """The writer's word on some of our rows: answer their callers."""
@@ -349,7 +514,7 @@ class SharedWrites:
             self._bad(str(exc))
             return
         pending, resolve, stats = self._pending, self._flights.resolve, self._stats
-        back: list[_Queued] = []
+        back: list[Flight] = []
         for letter, key, nonce in claims:
             entry = pending.get(key)
             if entry is None or entry.nonce != nonce:
@@ -366,17 +531,10 @@ class SharedWrites:
                 del pending[key]
                 stats.db += 1
                 resolve(f, "db")
-            else:  # "r": the writer did not write it; claim it again and write it here
-                back.append(entry)
-        self._return(back)
-
-    def _return(self, entries: list[_Queued]) -> None:
-        """Claim these rows again, to write them here (:meth:`take_back`), each once."""
-        flights = [e.flight for e in entries if not e.returning]
-        for e in entries:
-            e.returning = True
-        if flights:
-            self._requeue(flights)
+            else:  # "r": the writer did not write it; take it back and write it here
+                back.append(f)
+        if back:
+            self._spawn(self._take_back_soon(back))
 
     async def _listen(self) -> None:
         """Receive the writer's words on this gateway's channel; resubscribe after errors."""
@@ -411,22 +569,32 @@ class SharedWrites:
                 del pending[key]
             if not pending or not self._usable():
                 continue
-            keys = list(pending)
+            entries = list(pending.values())
             term: Any = None
             try:
-                for i in range(0, len(keys), 1000):
+                for i in range(0, len(entries), 1000):
+                    part = entries[i : i + 1000]
                     term, trips = await _RENEW(
                         self._client,
-                        [self._term_key, *keys[i : i + 1000]],
-                        [self._claims.token, self._lease_ms],
+                        [self._term_key, *(e.flight.key for e in part)],
+                        [self._lease_ms, *(e.queued for e in part)],
                     )
                     self._stats.redis_round_trips += trips
             except (RedisError, OSError) as exc:
                 self._redis_failed(exc)
                 continue
             term = term or None
-            # A row the writer of its term may have popped and lost: write it here.
-            self._return([e for e in pending.values() if term is None or e.term != term])
+            # Rows queued while no writer popped wait for the first that does; a row
+            # whose term ended or changed may have been popped and lost: take it back
+            # (unless a writer holds it), and with no writer popping, every row.
+            back: list[Flight] = []
+            for e in entries:
+                if term is not None and e.term is None:
+                    e.term = term
+                elif not e.returning and (term is None or e.term != term):
+                    back.append(e.flight)
+            if back:
+                await self._take_back_soon(back)
 
     async def _beat(self) -> None:
         """Count the live gateways of this sink, once a second."""
@@ -604,7 +772,9 @@ class SharedWrites:
         chosen: dict[bytes, QueuedRow] = {}
         if queued:
             held, trips = await _HOLD(
-                self._client, [q.key for q in queued], [self._lease_ms, *(q.token for q in queued)]
+                self._client,
+                [q.key for q in queued],
+                [self._lease_ms, self._term, *(q.token for q in queued)],
             )
             self._stats.redis_round_trips += trips
             held = held.decode() if isinstance(held, bytes) else held
@@ -637,6 +807,13 @@ class SharedWrites:
                 len(entries),
                 type(exc).__name__,
             )
+            # Queued again, so that their claimants can take them back and write them.
+            _, trips = await _UNHOLD(
+                self._client,
+                [q.key for q in entries],
+                [self._lease_ms, self._term, *(q.token for q in entries)],
+            )
+            stats.redis_round_trips += trips
             for q in entries:
                 word(q.gateway, "r", q.nonce, q.key)
             await self._publish(words)
