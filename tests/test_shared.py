@@ -16,6 +16,7 @@ import socket
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -116,7 +117,7 @@ async def test_writer_handover_keeps_every_created_true(
                     if turn:
                         await load.grows_by(500, f"saves before handover {turn}")
                         await writers[turn - 1].aclose()
-                    await until(f"writer {turn}", lambda: _shared(w).writer)
+                    await until(f"writer {turn}", partial(_is_writer, w))
                     await load.grows_by(1000, f"saves under writer {turn}")
                 await writers[-1].aclose()  # no writer now: claimants take their rows back
                 await load.grows_by(500, "saves with no writer")
@@ -133,6 +134,10 @@ async def test_writer_handover_keeps_every_created_true(
     assert not ledger.errors
     missing = [k for k in rows if ledger.acks.get(k, []).count(True) != 1]
     assert not missing, f"{len(missing)} of {len(rows)} rows had no created=True: {missing[:5]}"
+
+
+def _is_writer(g: Gateway) -> bool:
+    return bool(_shared(g).writer)
 
 
 def _hold_child(spawn: Callable[[dict[str, Any]], Child], redis_url: str, pg_url: str) -> Child:
