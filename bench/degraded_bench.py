@@ -3,7 +3,7 @@
     .venv/bin/python bench/degraded_bench.py [--seconds 5] [--concurrency 4096]
                                              [--bounds 1,2,4] [--values 10000000]
 
-Starts its own redis-server and PostgreSQL (see dedup.servers) and, for each bound
+Starts its own redis-server and PostgreSQL (see dedup.testing.servers) and, for each bound
 in ``--bounds``, opens a Gateway with ``degraded_max_statements`` = that bound,
 SIGSTOPs Redis, waits until the circuit is open, then lets ``concurrency``
 coroutines save values (uniform over ``--values``, so nearly every save is a new
@@ -34,8 +34,8 @@ import asyncpg
 
 from dedup import Gateway, Overloaded
 from dedup.loop import run as run_loop
-from dedup.migrate import upgrade_async
-from dedup.servers import PostgresCluster, RedisServer
+from dedup.store.migrate import upgrade_async
+from dedup.testing.servers import PostgresCluster, RedisServer
 
 XACTS = (
     "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()"

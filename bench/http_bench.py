@@ -5,7 +5,7 @@ against the same server in the same run. A measurement, not a test.
     .venv/bin/python bench/http_bench.py --start --tool aiohttp  # no wrk: a Python client
     .venv/bin/python bench/http_bench.py --url http://127.0.0.1:8080 --token T
 
-``--start`` launches a throwaway redis-server and PostgreSQL (dedup.servers, as the tests
+``--start`` launches a throwaway redis-server and PostgreSQL (dedup.testing.servers, as the tests
 do), migrates, and runs ``python -m dedup serve --workers W`` on a free port; without it,
 ``--url`` names a running service (its database gets rows of kind ``http-bench``).
 
@@ -207,8 +207,8 @@ async def run_aiohttp(
 def started_service(workers: int, log_dir: Path) -> Iterator[str]:
     """Throwaway redis-server + PostgreSQL + ``dedup serve``; yields the service URL."""
     sys.path.insert(0, str(ROOT))
-    from dedup.migrate import upgrade
-    from dedup.servers import PostgresCluster, RedisServer, free_port
+    from dedup.store.migrate import upgrade
+    from dedup.testing.servers import PostgresCluster, RedisServer, free_port
 
     with RedisServer() as redis_server, PostgresCluster() as pg:
         pg.create_database("bench")

@@ -16,10 +16,10 @@ import argparse
 from typing import Any
 
 from dedup import bench
-from dedup._bench_procs import _server_xacts
+from dedup.bench.procs import _server_xacts, reset
 from dedup.loop import run as run_loop
-from dedup.migrate import upgrade
-from dedup.servers import PostgresCluster, RedisServer
+from dedup.store.migrate import upgrade
+from dedup.testing.servers import PostgresCluster, RedisServer
 
 SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("defaults (max_batch 512, 4 writes)", {}),
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=400_000)
     parser.add_argument("--callers", type=int, default=256)
     args = parser.parse_args()
-    values = bench._values("zipf", bench.BenchConfig(requests=args.requests))
+    values = bench.workload_values("zipf", bench.BenchConfig(requests=args.requests))
     unique = len(set(values))
     with RedisServer() as redis_server, PostgresCluster() as pg:
         url = pg.create_database("tradeoff")
@@ -45,7 +45,7 @@ def main() -> None:
         runs += [(name, "dedup", options) for name, options in SETTINGS]
         print(f"Zipf(1.1), {args.requests:,} requests, {unique:,} unique, {args.callers} callers")
         for name, strategy, options in runs:
-            run_loop(bench._reset(redis_server.url, url))
+            run_loop(reset(redis_server.url, url))
             before = run_loop(_server_xacts(url))
             result = run_loop(
                 bench.run_one(

@@ -13,7 +13,7 @@ and the process's CPU per request.
 
 ``--scripts``: for each ``--redis-server`` binary (default: the one on PATH, and
 ``.venv/redis-6.2/redis-server`` when ``setup.sh --tests`` fetched it), a throwaway
-server; on it, each script variant its version runs (:data:`dedup.scripts.VARIANTS`) and
+server; on it, each script variant its version runs (:data:`dedup._redis.script.VARIANTS`) and
 each layout claims then commits ``--values`` new values in batches of ``--batch``, and
 the server's own count of the time its scripts ran (``INFO commandstats``: EVALSHA's
 ``usec``, reset before each run) is divided by the values saved. The variants alternate
@@ -34,15 +34,16 @@ from typing import Any
 from redis.asyncio import Redis
 
 from dedup import Gateway
-from dedup.bloom import BloomSpec
-from dedup.claims import Claims
-from dedup.embedded import server_version
-from dedup.keys import KeySpace, digest
+from dedup._claims.bloom import BloomSpec
+from dedup._claims.keys import KeySpace
+from dedup._claims.protocol import Claims
+from dedup._redis.embedded import server_version
+from dedup._redis.script import VARIANTS, ScriptVariant
+from dedup._values import digest
 from dedup.loop import run as run_loop
 from dedup.metrics import Stats
-from dedup.migrate import upgrade
-from dedup.scripts import VARIANTS, ScriptVariant
-from dedup.servers import PostgresCluster, RedisServer
+from dedup.store.migrate import upgrade
+from dedup.testing.servers import PostgresCluster, RedisServer
 
 _REDIS6 = ".venv/redis-6.2/redis-server"
 _SCRIPT_LAYOUTS: dict[str, dict[str, Any]] = {

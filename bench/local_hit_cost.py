@@ -17,9 +17,9 @@ import time
 import asyncpg
 
 from dedup import Gateway
-from dedup._bench_strategies import _Counter, _DbOnly
-from dedup.migrate import upgrade
-from dedup.servers import PostgresCluster, RedisServer
+from dedup.bench.strategies import _Counter, _DbOnly
+from dedup.store.migrate import upgrade
+from dedup.testing.servers import PostgresCluster, RedisServer
 
 
 async def _measure(redis_url: str, pg_url: str, saves: int) -> None:

@@ -3,7 +3,7 @@
     .venv/bin/python bench/lock_bench.py [--processes 4] [--tasks 4] [--seconds 3]
                                          [--names 1,1000] [--hold-ms 0] [--redlock-nodes 5]
 
-Starts its own redis-servers (see dedup.servers). For each shape (a number of lock
+Starts its own redis-servers (see dedup.testing.servers). For each shape (a number of lock
 names) and variant, ``processes`` OS processes with ``tasks`` asyncio tasks each
 loop acquire + release for ``seconds``, each acquisition on a name drawn at random
 from the shape's names; every task has its own Lock object per name. Then, over
@@ -36,7 +36,7 @@ from redis.asyncio import Redis
 from redis.asyncio.lock import Lock as RedisLock
 
 from dedup.lock import Lock, Redlock
-from dedup.servers import RedisServer
+from dedup.testing.servers import RedisServer
 
 # (label, lock class, keyword arguments of the Lock)
 VARIANTS: list[tuple[str, str, dict[str, Any]]] = [

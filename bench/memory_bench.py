@@ -4,17 +4,17 @@
         [--layouts compact,compact-128,compact-retention,keys,approximate]
         [--buckets 65536] [--fp-rate 0.01]
 
-A thin script over :mod:`dedup._bench_memory`, which ``dedup bench`` uses too (for
+A thin script over :mod:`dedup.bench.memory`, which ``dedup bench`` uses too (for
 ``compact``, ``keys`` and ``approximate``, with ``marker_buckets`` scaled to the values
 below 1M). For each layout a throwaway redis-server is started, and ``--values``
 distinct values are claimed and committed in batches of ``--batch`` by
-:class:`dedup.claims.Claims` (the claim and commit scripts the gateway runs). Printed
+:class:`dedup._claims.protocol.Claims` (the claim and commit scripts the gateway runs). Printed
 per layout: ``used_memory`` (INFO memory) after minus before, per saved value; the
 keys Redis holds; claims+commits per second; duplicate claims per second (a sample of
 saved values claimed again: all answer "saved"); and the Redis CPU time in the scripts
 (INFO commandstats) per saved value (claim + commit) and per duplicate claim.
 
-Layouts (``dedup._bench_memory.LAYOUTS``): ``compact`` (``hash-max-listpack-entries
+Layouts (``dedup.bench.memory.LAYOUTS``): ``compact`` (``hash-max-listpack-entries
 512`` as in config/redis.conf), ``compact-128`` (Redis's own default of 128, where
 buckets that outgrow it turn into hash tables), ``compact-retention`` (a one-day
 retention), ``keys`` (one key per value, the layout before issue 12) and
@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dedup._bench_memory import LAYOUTS, measure_layout
+from dedup.bench.memory import LAYOUTS, measure_layout
 from dedup.loop import run as run_loop
 
 ALIASES = {"bloom": "approximate"}  # its name before the bench measured it too

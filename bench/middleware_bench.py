@@ -4,7 +4,7 @@ a threading wsgiref server), in one run.
 
     .venv/bin/python bench/middleware_bench.py [--seconds 3] [--concurrency 16] [--keys 200]
 
-Starts its own redis-server and PostgreSQL (see dedup.servers). Each server runs in a
+Starts its own redis-server and PostgreSQL (see dedup.testing.servers). Each server runs in a
 process of its own (one worker); this process offers the load with aiohttp, a
 closed loop of ``--concurrency`` requests in flight for ``--seconds``. Three
 workloads per framework:
@@ -37,8 +37,8 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dedup.migrate import upgrade
-from dedup.servers import PostgresCluster, RedisServer
+from dedup.store.migrate import upgrade
+from dedup.testing.servers import PostgresCluster, RedisServer
 
 FRAMEWORKS = ("asgi", "aiohttp", "wsgi")
 _BODY = b'{"ok":true}'

@@ -5,7 +5,7 @@
         .venv/bin/python bench/profile_gateway.py dedup --requests 600000
     .venv/bin/python bench/profile_gateway.py --summary /tmp/dedup.prof
 
-The first form starts a throwaway redis-server and PostgreSQL (dedup.servers),
+The first form starts a throwaway redis-server and PostgreSQL (dedup.testing.servers),
 then runs one strategy of ``dedup bench`` (``dedup`` or ``db-only``...) on its
 Zipf(1.1) or uniform stream (``--workload``, ``--callers``) in this process, and
 prints requests/s. ``--summary`` reads py-spy's raw output and prints the
@@ -20,9 +20,10 @@ import collections
 from pathlib import Path
 
 from dedup import bench
+from dedup.bench.procs import reset
 from dedup.loop import run as run_loop
-from dedup.migrate import upgrade
-from dedup.servers import PostgresCluster, RedisServer
+from dedup.store.migrate import upgrade
+from dedup.testing.servers import PostgresCluster, RedisServer
 
 # Frames that mark a sample as taken while the stream ran.
 _IN_RUN = ("run_one", "Gateway.", "_DbOnly", "uvloop")
@@ -32,8 +33,8 @@ _SETUP = ("_values", "make_stream", "PostgresCluster", "_Managed", "upgrade")
 async def _run(
     strategy: str, workload: str, callers: int, requests: int, redis_url: str, pg_url: str
 ) -> None:
-    values = bench._values(workload, bench.BenchConfig(requests=requests))
-    await bench._reset(redis_url, pg_url)
+    values = bench.workload_values(workload, bench.BenchConfig(requests=requests))
+    await reset(redis_url, pg_url)
     result = await bench.run_one(strategy, values, callers, redis_url, pg_url)
     rate = len(values) / result["seconds"]
     print(f"{strategy}: {rate:,.0f} requests/s, p99 {result['p99_ms']:.1f} ms", flush=True)

@@ -25,11 +25,11 @@ from typing import Any
 import asyncpg
 
 from dedup import Gateway
-from dedup.claims import unlink_matching
-from dedup.demo import make_stream
+from dedup._redis.connect import unlink_matching
+from dedup.cli.demo import make_stream
 from dedup.loop import run as run_loop
-from dedup.migrate import upgrade
-from dedup.servers import PostgresCluster, RedisServer
+from dedup.store.migrate import upgrade
+from dedup.testing.servers import PostgresCluster, RedisServer
 
 CALLERS = 256
 XACTS = (

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/sync_bench.py [--seconds 3] [--callers 1,8,32] [--seen 20000]
 
-Starts its own redis-server and PostgreSQL (see dedup.servers). For each number of
+Starts its own redis-server and PostgreSQL (see dedup.testing.servers). For each number of
 callers, a closed loop of saves for ``seconds``: that many threads each calling
 ``SyncGateway.save``, then that many coroutines each awaiting ``Gateway.save`` on
 one event loop. Two workloads:
@@ -30,8 +30,8 @@ from typing import Any
 
 from dedup import Gateway, SyncGateway
 from dedup.loop import run as run_loop
-from dedup.migrate import upgrade
-from dedup.servers import PostgresCluster, RedisServer
+from dedup.store.migrate import upgrade
+from dedup.testing.servers import PostgresCluster, RedisServer
 
 _runs = itertools.count()
 

@@ -37,3 +37,11 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# Reprs, tracebacks and the docs name the public classes where users import them from
+# (``dedup.Gateway``), not the module that happens to define them.
+for _name in __all__:
+    _obj = globals()[_name]
+    if isinstance(_obj, type):
+        _obj.__module__ = __name__
+del _name, _obj

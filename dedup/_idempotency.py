@@ -16,7 +16,7 @@ and AWS Lambda Powertools:
   error of the middleware itself as an RFC 9457 ``application/problem+json`` body.
 
 The claim, the lease and its release are those of :meth:`dedup.Gateway.once`
-(:func:`dedup._embed.begin`): a key runs at most once fleet-wide while its runner
+(:func:`dedup._engine.once.begin`): a key runs at most once fleet-wide while its runner
 lives, a response that must not be stored releases the lease, and the next request
 with the key runs the handler again. The framework modules only translate requests
 and responses.
@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import orjson
 
-from dedup import _embed
+from dedup._engine import once as _embed
+from dedup._values import validate_kind
 from dedup.errors import DedupError, InvalidInput, WaitTimeout
-from dedup.keys import validate_kind
 
 if TYPE_CHECKING:
     from dedup.gateway import Gateway
@@ -373,7 +373,7 @@ class Idempotency:
     async def claim(
         self, gateway: Gateway, value: str, fingerprint: str | None
     ) -> _embed.Lease | Response:
-        """Claim the key: a :class:`~dedup._embed.Lease` when this request is to run the
+        """Claim the key: a :class:`~dedup._engine.once.Lease` when this request is to run the
         handler, else the answer (a replay, 422, the ingest repeat, or an error)."""
         wait_s = None if self.in_flight == "wait" else 0.0
         try:

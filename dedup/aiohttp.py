@@ -22,7 +22,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from multidict import CIMultiDict
 
-from dedup import _embed
+from dedup._engine import once as _embed
 from dedup._idempotency import Idempotency, Options, RequestInfo, Response, call_maybe
 from dedup.errors import InvalidInput
 from dedup.gateway import Gateway

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Unpack
 
-from dedup import _embed
+from dedup._engine import once as _embed
 from dedup._idempotency import (
     Capture,
     Idempotency,

@@ -2,22 +2,22 @@
 
 A save goes through five steps, each in a module of its own:
 
-1. the local tier, values known saved in this process (:mod:`dedup.local`, inline
+1. the local tier, values known saved in this process (:mod:`dedup._engine.local`, inline
    in :meth:`Gateway.save`) -> ``local``;
 2. singleflight: the same value already in flight here shares its flight
-   (:mod:`dedup._flights`) -> ``inflight``;
+   (:mod:`dedup._engine.flights`) -> ``inflight``;
 3. a claim batch: every claim made during one event-loop tick goes to Redis in one
-   script call (:mod:`dedup._batcher`, :mod:`dedup._claim_stage`), which answers per
+   script call (:mod:`dedup._engine.batcher`, :mod:`dedup._engine.claim_stage`), which answers per
    value saved (``redis``), won (lease held) or busy; busy values wait and are
-   claimed again (:mod:`dedup._wait_queue`);
+   claimed again (:mod:`dedup._engine.wait_queue`);
 4. a write batch: the winners go to the sink in ONE statement, keys sorted, and
    their callers are answered once the rows are committed (``write`` or ``db``);
 5. a commit batch: one script call marks the values saved (both in
-   :mod:`dedup._write_stage`).
+   :mod:`dedup._engine.write_stage`).
 
-When Redis cannot serve, degraded mode (:mod:`dedup._degraded`) lets the database's
-unique key decide alone, under admission control. :mod:`dedup._backends` opens
-and closes the servers and connections, :mod:`dedup._engine` wires the stages, and
+When Redis cannot serve, degraded mode (:mod:`dedup._engine.degraded`) lets the database's
+unique key decide alone, under admission control. :mod:`dedup._engine.backends` opens
+and closes the servers and connections, :mod:`dedup._engine.wiring` wires the stages, and
 :mod:`dedup.options` holds every option.
 """
 
@@ -30,21 +30,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, get_args
 
-from dedup import _embed
-from dedup._backends import Backends
-from dedup._engine import Engine
-from dedup._parts import EngineParts
-from dedup.claims import unlink_matching
+from dedup._claims.keys import KeySpace
+from dedup._engine import once as _embed
+from dedup._engine.backends import Backends
+from dedup._engine.local import SavedCache
+from dedup._engine.parts import EngineParts
+from dedup._engine.wiring import Engine
+from dedup._redis.connect import unlink_matching
+from dedup._values import DIGEST_BYTES, Limits, encode_payload, validate_kind, validate_value
 from dedup.errors import ConfigError, DedupError, InvalidInput
-from dedup.keys import (
-    DIGEST_BYTES,
-    KeySpace,
-    Limits,
-    encode_payload,
-    validate_kind,
-    validate_value,
-)
-from dedup.local import SavedCache
 from dedup.metrics import Stats
 from dedup.options import GatewayOptions
 from dedup.store import DefaultSink
@@ -349,7 +343,7 @@ class Gateway:
             self._kinds_ok.add(kind)
 
     def _parts(self) -> EngineParts:
-        """The open Gateway's parts, for :mod:`dedup._embed`; DedupError when not open."""
+        """The open Gateway's parts, for :mod:`dedup._engine.once`; DedupError when not open."""
         backends, engine = self._backends, self._engine
         if self._state != "open" or engine is None:
             raise DedupError(f"the Gateway is {self._state}, not open")

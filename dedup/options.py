@@ -1,7 +1,7 @@
 """The Gateway's options in one place: every default, its validation and the derived values.
 
 :class:`GatewayOptions` is what ``Gateway(**options)`` builds first. The command
-line and the service build it too (from :class:`dedup.settings.Settings`), so one
+line and the service build it too (from :class:`dedup.service.settings.Settings`), so one
 set of checks refuses a bad option everywhere, with :class:`~dedup.errors.ConfigError`,
 before any I/O.
 """

@@ -23,10 +23,10 @@ from collections.abc import Callable, Coroutine, Iterable
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from dedup import _embed
+from dedup._engine import once as _embed
+from dedup._values import validate_kind
 from dedup.errors import DedupError, InvalidInput, WaitTimeout
 from dedup.gateway import Gateway
-from dedup.keys import validate_kind
 from dedup.loop import new_loop
 from dedup.metrics import Stats
 from dedup.types import Item, SaveResult

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Unpack
 
-from dedup import _embed
+from dedup._engine import once as _embed
 from dedup._idempotency import Capture, Idempotency, Options, RequestInfo, Response
 from dedup.errors import DedupError, InvalidInput
 from dedup.sync import SyncGateway

@@ -3,7 +3,7 @@
     .venv/bin/python loadtest/run.py [--seconds 15] [--users 32] [--phases single,batch]
                                      [--values 1000000] [--batch 100] [--out load-results]
 
-Starts a private redis-server and PostgreSQL cluster (dedup.servers: 127.0.0.1, free ports,
+Starts a private redis-server and PostgreSQL cluster (dedup.testing.servers: 127.0.0.1, free ports,
 PostgreSQL as the ``postgres`` user when run as root), migrates, starts ``dedup serve`` on
 a free port, then runs locust headless once per phase, each for ``--seconds``:
 
@@ -53,8 +53,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 import asyncpg  # noqa: E402
 
-from dedup.migrate import upgrade  # noqa: E402
-from dedup.servers import PostgresCluster, RedisServer, free_port  # noqa: E402
+from dedup.store.migrate import upgrade  # noqa: E402
+from dedup.testing.servers import PostgresCluster, RedisServer, free_port  # noqa: E402
 
 PHASES = {
     "single": ("locustfile.py", "SingleSaveUser", "/v1/save"),

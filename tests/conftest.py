@@ -7,7 +7,7 @@ Fixtures:
 * ``fresh_redis`` (function): a private redis-server per test (kill/pause/restart it freely).
 * ``pg_cluster`` (session): one :class:`PostgresCluster` for the whole run.
 * ``pg_empty_url`` (function): URL of a new, empty database, dropped after the test.
-* ``pg_url`` (function): like ``pg_empty_url`` with ``dedup.migrate.upgrade(url)`` applied.
+* ``pg_url`` (function): like ``pg_empty_url`` with ``dedup.store.migrate.upgrade(url)`` applied.
 * ``fresh_pg`` (function): a private PostgreSQL cluster per test (kill/restart it freely).
 * ``spawn`` (function): gateway child processes (:class:`tests.test_processes.Child`).
 
@@ -38,7 +38,7 @@ from typing import Any, cast
 import pytest
 import redis
 
-from dedup.embedded import server_version
+from dedup._redis.embedded import server_version
 from tests.servers import PostgresCluster, RedisServer
 from tests.test_processes import Child
 
@@ -124,9 +124,9 @@ def pg_empty_url(pg_cluster: PostgresCluster) -> Iterator[str]:
 
 @pytest.fixture
 def pg_url(pg_empty_url: str) -> str:
-    """URL of a new database with the dedup schema (``dedup.migrate.upgrade``) applied."""
-    # Imported here so that the fixtures work before/without dedup.migrate.
-    module = importlib.import_module("dedup.migrate")
+    """URL of a new database with the dedup schema (``dedup.store.migrate.upgrade``) applied."""
+    # Imported here so that the fixtures work before/without dedup.store.migrate.
+    module = importlib.import_module("dedup.store.migrate")
     upgrade = cast(Callable[[str], None], module.upgrade)
     # In a thread of its own: upgrade() may run its own event loop (asyncio.run),
     # which must not disturb the test's loop.

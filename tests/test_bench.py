@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from dedup import bench
+from dedup.bench.strategies import percentiles
 from dedup.errors import DedupError
 from tests.servers import PostgresCluster, RedisServer
 
@@ -212,12 +213,12 @@ def test_percentiles_are_of_the_merged_latencies() -> None:
     """Issue 14: a fleet's p99 is the p99 of all its requests, not its worst process's."""
     one = [0.001] * 1000
     other = [0.001] * 985 + [0.050] * 15  # this process alone: p99 50 ms
-    assert bench._percentiles(other)["p99_ms"] == pytest.approx(50.0)
-    merged = bench._percentiles(one + other)  # 15 slow of 2,000 is under 1 %
+    assert percentiles(other)["p99_ms"] == pytest.approx(50.0)
+    merged = percentiles(one + other)  # 15 slow of 2,000 is under 1 %
     assert merged == {
         "p50_ms": pytest.approx(1.0),
         "p99_ms": pytest.approx(1.0),
         "max_ms": pytest.approx(50.0),
     }
-    assert bench._percentiles([0.001] * 980 + [0.1] * 20)["p99_ms"] == pytest.approx(100.0)
-    assert bench._percentiles([]) == {"p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
+    assert percentiles([0.001] * 980 + [0.1] * 20)["p99_ms"] == pytest.approx(100.0)
+    assert percentiles([]) == {"p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}

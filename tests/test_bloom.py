@@ -10,9 +10,10 @@ import pytest
 from redis.asyncio import Redis
 from redis.crc import key_slot
 
-from dedup.bloom import BloomLayout, BloomSpec, bloom_size
-from dedup.claims import Claims
-from dedup.keys import KeySpace, digest
+from dedup._claims.bloom import BloomLayout, BloomSpec, bloom_size
+from dedup._claims.keys import KeySpace
+from dedup._claims.protocol import Claims
+from dedup._values import digest
 from dedup.metrics import Stats
 
 SPACE = KeySpace("dedup")

@@ -1,10 +1,10 @@
-"""The circuit breaker's timing logic, on a fake clock (no I/O in dedup.breaker)."""
+"""The circuit breaker's timing logic, on a fake clock (no I/O in dedup._engine.breaker)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dedup.breaker import CircuitBreaker
+from dedup._engine.breaker import CircuitBreaker
 
 
 class FakeClock:

@@ -22,20 +22,10 @@ from redis.exceptions import (
 )
 
 from dedup import Gateway
-from dedup.bloom import BloomSpec
-from dedup.claims import (
-    Claims,
-    connect_redis,
-    info_of_every_node,
-    older_than_floor,
-    probe_write,
-    script_variant,
-    unwritable_reason,
-)
-from dedup.errors import ConfigError
-from dedup.keys import KeySpace, MarkerLayout, digest
-from dedup.metrics import Stats
-from dedup.scripts import (
+from dedup._claims.bloom import BloomSpec
+from dedup._claims.keys import KeySpace, MarkerLayout
+from dedup._claims.protocol import Claims
+from dedup._claims.scripts import (
     ABORT,
     CLAIM,
     CLAIM_BLOOM,
@@ -43,13 +33,13 @@ from dedup.scripts import (
     COMMIT,
     COMMIT_BLOOM,
     COMMIT_COMPACT,
-    REDIS_6,
-    REDIS_7,
-    VARIANTS,
-    ScriptVariant,
-    cross_slot,
-    render,
 )
+from dedup._redis.connect import connect_redis, info_of_every_node, probe_write
+from dedup._redis.script import REDIS_6, REDIS_7, VARIANTS, ScriptVariant, cross_slot, render
+from dedup._redis.server import older_than_floor, script_variant, unwritable_reason
+from dedup._values import digest
+from dedup.errors import ConfigError
+from dedup.metrics import Stats
 from tests.servers import RedisServer
 from tests.test_cluster import cluster  # noqa: F401 (the fixture)
 

@@ -19,17 +19,14 @@ import redis
 from redis.asyncio import Redis
 
 from dedup import ConfigError, Gateway
-from dedup.claims import Claims, script_variant
-from dedup.demo import DEMO_KINDS, make_stream, value_of
-from dedup.keys import KeySpace, digest
+from dedup._claims.keys import KeySpace
+from dedup._claims.protocol import Claims
+from dedup._redis.script import REDIS_7
+from dedup._redis.server import script_variant
+from dedup._values import digest
+from dedup.cli.demo import DEMO_KINDS, make_stream, value_of
 from dedup.metrics import Stats
-from dedup.scripts import REDIS_7
-from dedup.settings import (
-    ServiceSettings,
-    Settings,
-    load_service_settings,
-    load_settings,
-)
+from dedup.service.settings import ServiceSettings, Settings, load_service_settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_CONFIG = ROOT / "config" / "dedup.toml"

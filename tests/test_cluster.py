@@ -15,16 +15,18 @@ from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from dedup import Gateway
-from dedup.bloom import BloomSpec
-from dedup.claims import Claims, connect_redis, unlink_matching
-from dedup.keys import KeySpace, digest
+from dedup._claims.bloom import BloomSpec
+from dedup._claims.keys import KeySpace
+from dedup._claims.protocol import Claims
+from dedup._redis.connect import connect_redis, unlink_matching
+from dedup._values import digest
 from dedup.metrics import Stats
 from tests.servers import RedisClusterServers, RedisServer
 
 
 @pytest.fixture
 def cluster_servers() -> Iterator[RedisClusterServers]:
-    """Three primaries, no replicas (:class:`dedup.servers.RedisClusterServers`)."""
+    """Three primaries, no replicas (:class:`dedup.testing.servers.RedisClusterServers`)."""
     with RedisClusterServers(3, 0, node_timeout_ms=2000) as servers:
         yield servers
 

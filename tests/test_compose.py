@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from dedup.cli import build_parser
-from dedup.openapi import openapi_document
-from dedup.settings import ServiceSettings, Settings
+from dedup.service.openapi import openapi_document
+from dedup.service.settings import ServiceSettings, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = ServiceSettings()

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from dedup import ConfigError
-from dedup.demo import make_stream
-from dedup.settings import Settings, load_settings
+from dedup.cli.demo import make_stream
+from dedup.service.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,7 +75,7 @@ def test_demo_refuses_bad_flags_without_traceback(tmp_path: Path) -> None:
 
 
 def test_demo_on_a_busy_data_dir_says_so(tmp_path: Path) -> None:
-    from dedup.embedded import DataDirLock
+    from dedup._redis.embedded import DataDirLock
 
     lock = DataDirLock(tmp_path)
     lock.acquire()

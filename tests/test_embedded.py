@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from dedup import ConfigError, Gateway
-from dedup.claims import script_variant
-from dedup.embedded import find_redis_server, hash_entries_option, server_version
+from dedup._redis.embedded import find_redis_server, hash_entries_option, server_version
+from dedup._redis.server import script_variant
 
 
 def _alive(pid: int) -> bool:

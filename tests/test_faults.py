@@ -41,9 +41,9 @@ import pytest
 from redis.asyncio import Redis
 
 from dedup import DedupError, Gateway, Overloaded, Row, SaveResult, Unavailable
-from dedup.keys import digest
-from dedup.migrate import upgrade_async
+from dedup._values import digest
 from dedup.store import pg_insert
+from dedup.store.migrate import upgrade_async
 from tests.servers import PostgresCluster, RedisServer
 from tests.slow_proxy import SlowProxy
 from tests.test_processes import Child, markers

@@ -25,7 +25,8 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from dedup.keys import KeySpace, digest
+from dedup._claims.keys import KeySpace
+from dedup._values import digest
 from tests.servers import PostgresCluster, RedisServer
 from tests.test_service import (
     ROOT,

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from dedup import Gateway, InvalidInput, Overloaded, SaveResult
-from dedup.keys import digest
+from dedup._values import digest
 
 MAX_VALUE = 256
 MAX_PAYLOAD = 2048

@@ -22,7 +22,8 @@ from dedup import (
     Unavailable,
     WaitTimeout,
 )
-from dedup.keys import KeySpace, digest
+from dedup._claims.keys import KeySpace
+from dedup._values import digest
 from tests.servers import PostgresCluster, RedisServer
 
 GatewayFactory = Callable[..., Gateway]
@@ -34,7 +35,7 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "postgres":
         url: str = request.getfixturevalue("pg_url")
         return url
-    from dedup.migrate import upgrade
+    from dedup.store.migrate import upgrade
 
     url = f"sqlite:///{tmp_path / 'items.sqlite3'}"
     upgrade(url)
@@ -473,7 +474,7 @@ async def test_eviction_policy_guard(fresh_redis: RedisServer, tmp_path: Path) -
 
 async def test_database_down_then_back(redis_url: str, fresh_pg: PostgresCluster) -> None:
     url = fresh_pg.create_database("app")
-    from dedup.migrate import upgrade_async
+    from dedup.store.migrate import upgrade_async
 
     await upgrade_async(url)
     async with Gateway(redis_url, url, lease_ms=2000) as gw:

@@ -7,14 +7,8 @@ from collections import Counter
 import pytest
 from redis.crc import key_slot
 
-from dedup.keys import (
-    DEFAULT_MARKER_BUCKETS,
-    MARKER_BITS,
-    KeySpace,
-    MarkerLayout,
-    digest,
-    key_head,
-)
+from dedup._claims.keys import DEFAULT_MARKER_BUCKETS, MARKER_BITS, KeySpace, MarkerLayout, key_head
+from dedup._values import digest
 
 
 def test_default_layout_keeps_96_bits_in_10_byte_fields() -> None:

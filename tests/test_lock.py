@@ -31,8 +31,8 @@ from redis.exceptions import ConnectionError, LockError, LockNotOwnedError
 
 import dedup.errors
 from dedup.errors import ConfigError, InvalidInput, StaleFence
-from dedup.fence import fence_key
 from dedup.lock import RELEASE_CHANNEL, Lock, check_fence, fenced_set
+from dedup.lock.fence import fence_key
 from tests.lock_child import write_fenced
 from tests.servers import RedisServer
 from tests.test_multiprocess import read_line
@@ -311,11 +311,11 @@ async def test_token_belongs_to_the_object_not_the_thread(r: Redis) -> None:
 
 def test_import_order_has_no_cycle() -> None:
     import dedup.lock
-    import dedup.redlock
+    import dedup.lock.redlock
 
-    assert dedup.lock.Redlock is dedup.redlock.Redlock
+    assert dedup.lock.Redlock is dedup.lock.redlock.Redlock
     # Each module imported first, in a fresh interpreter.
-    for code in ("import dedup.redlock, dedup.lock", "import dedup.lock, dedup.redlock"):
+    for code in ("import dedup.lock.redlock, dedup.lock", "import dedup.lock, dedup.lock.redlock"):
         subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=DEADLINE_S)
 
 

@@ -1,4 +1,4 @@
-"""Tests of dedup.migrate: the packaged Alembic migrations on SQLite and PostgreSQL."""
+"""Tests of dedup.store.migrate: the packaged Alembic migrations on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -18,15 +18,15 @@ import asyncpg
 import pytest
 from alembic import command
 
-from dedup import migrate
-from dedup.migrate import current, to_sqlalchemy_url, upgrade, upgrade_async
+from dedup.store import migrate
+from dedup.store.migrate import current, to_sqlalchemy_url, upgrade, upgrade_async
 
 HEAD = "0001"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WHEEL_FILES = (
-    "dedup/migrations/env.py",
-    "dedup/migrations/script.py.mako",
-    "dedup/migrations/versions/0001_create_dedup_items.py",
+    "dedup/store/migrations/env.py",
+    "dedup/store/migrations/script.py.mako",
+    "dedup/store/migrations/versions/0001_create_dedup_items.py",
 )
 
 

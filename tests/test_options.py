@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from dedup import ConfigError, Gateway
 from dedup.options import GatewayOptions
-from dedup.settings import Settings, load_settings
+from dedup.service.settings import Settings, load_settings
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

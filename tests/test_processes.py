@@ -27,8 +27,9 @@ import asyncpg
 from redis.asyncio import Redis
 
 from dedup import Gateway
-from dedup.claims import Claims
-from dedup.keys import KeySpace, digest
+from dedup._claims.keys import KeySpace
+from dedup._claims.protocol import Claims
+from dedup._values import digest
 from dedup.metrics import Stats
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,7 +180,8 @@ async def _marker_fields(redis_url: str, namespace: str) -> int:
 
 async def markers(redis_url: str, keys: Sequence[tuple[str, str]], namespace: str = "dedup") -> str:
     """What Redis holds for each key of ``namespace``, in any marker layout: one letter
-    per key, ``S`` saved, ``L`` leased, ``-`` absent (:meth:`dedup.claims.Claims.states`)."""
+    per key, ``S`` saved, ``L`` leased, ``-`` absent
+    (:meth:`dedup._claims.protocol.Claims.states`)."""
     space = KeySpace(namespace)
     client = Redis.from_url(redis_url)
     try:

@@ -28,11 +28,12 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import make_mocked_request
 
 from dedup import ConfigError, Gateway, InvalidInput, Unavailable
-from dedup._shared_wire import sink_id
-from dedup.claims import Claims
-from dedup.keys import KeySpace, MarkerLayout, digest
+from dedup._claims.keys import KeySpace, MarkerLayout
+from dedup._claims.protocol import Claims
+from dedup._engine.shared_wire import sink_id
+from dedup._values import digest
 from dedup.metrics import Stats
-from dedup.service import _authorized
+from dedup.service.app import _authorized
 from tests.servers import RedisServer, free_port
 from tests.test_service import (
     ROOT,

@@ -32,8 +32,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDictProxy
 
-from dedup.migrate import upgrade
-from dedup.openapi import ERROR_CODES
+from dedup.service.openapi import ERROR_CODES
+from dedup.store.migrate import upgrade
 from tests.servers import PostgresCluster, RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,7 +21,8 @@ import asyncpg
 import orjson
 import redis.asyncio as aioredis
 
-from dedup.keys import KeySpace, digest
+from dedup._claims.keys import KeySpace
+from dedup._values import digest
 from tests.servers import PostgresCluster, RedisServer
 from tests.test_service import (
     ROOT,

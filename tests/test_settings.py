@@ -17,7 +17,7 @@ import redis
 
 from dedup import ConfigError, Gateway
 from dedup.cli import build_parser
-from dedup.settings import (
+from dedup.service.settings import (
     ServiceSettings,
     Settings,
     load_config,

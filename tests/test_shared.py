@@ -27,12 +27,13 @@ import pytest
 from redis.asyncio import Redis
 
 from dedup import ConfigError, Gateway, Row, SaveResult
-from dedup._shared_wire import Wire
-from dedup.keys import KeySpace, Limits, digest
-from dedup.migrate import upgrade_async
+from dedup._claims.keys import KeySpace
+from dedup._engine.shared_wire import Wire
+from dedup._values import Limits, digest
 from dedup.options import GatewayOptions
-from dedup.settings import load_settings
+from dedup.service.settings import load_settings
 from dedup.store import default_identity, open_sink, pg_insert
+from dedup.store.migrate import upgrade_async
 from tests.servers import PostgresCluster, RedisServer
 from tests.slow_proxy import SlowProxy
 from tests.test_faults import WAIT_S, Key, Ledger, check_contract, loaded, table, until

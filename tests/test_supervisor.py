@@ -27,8 +27,8 @@ import asyncpg
 import pytest
 
 from dedup.errors import ConfigError
-from dedup.logs import JsonFormatter
-from dedup.settings import ServiceSettings, load_service_settings
+from dedup.service.logs import JsonFormatter
+from dedup.service.settings import ServiceSettings, load_service_settings
 from tests.servers import PostgresCluster
 from tests.test_service import (
     ROOT,
@@ -436,7 +436,7 @@ async def test_json_logs_parse_line_by_line(
 def test_json_log_keeps_a_traceback_in_one_line(tmp_path: Path) -> None:
     code = (
         "import logging\n"
-        "from dedup.logs import setup_logging\n"
+        "from dedup.service.logs import setup_logging\n"
         "setup_logging('info', 'json')\n"
         "try:\n"
         "    raise ValueError('boom\\nsecond line')\n"
@@ -452,7 +452,9 @@ def test_json_log_keeps_a_traceback_in_one_line(tmp_path: Path) -> None:
     assert record["logger"] == "dedup.test" and record["worker"] == 3
     assert "Traceback" in record["exception"] and "ValueError: boom" in record["exception"]
 
-    uncaught = "from dedup.logs import setup_logging\nsetup_logging('info', 'json')\n1 / 0\n"
+    uncaught = (
+        "from dedup.service.logs import setup_logging\nsetup_logging('info', 'json')\n1 / 0\n"
+    )
     run = subprocess.run(
         [sys.executable, "-c", uncaught], cwd=ROOT, capture_output=True, text=True, timeout=60
     )

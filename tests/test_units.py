@@ -10,19 +10,13 @@ from hypothesis import strategies as st
 from redis.asyncio.connection import Connection
 
 from dedup import InvalidInput
-from dedup._packing import fast_packing
-from dedup.claims import too_old
-from dedup.keys import (
-    KeySpace,
-    Limits,
-    MarkerLayout,
-    digest,
-    encode_payload,
-    validate_kind,
-    validate_value,
-)
-from dedup.local import SavedCache
-from dedup.scripts import ABORT, CLAIM, COMMIT, Script
+from dedup._claims.keys import KeySpace, MarkerLayout
+from dedup._claims.scripts import ABORT, CLAIM, COMMIT
+from dedup._engine.local import SavedCache
+from dedup._redis.packing import fast_packing
+from dedup._redis.script import Script
+from dedup._redis.server import too_old
+from dedup._values import Limits, digest, encode_payload, validate_kind, validate_value
 
 LIMITS = Limits(max_value_bytes=64, max_payload_bytes=64)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlencode
 
-from dedup.servers import RedisServer
+from dedup.testing.servers import RedisServer
 
 __all__ = ["Certs", "TlsRedisServer", "make_certs"]
 

@@ -1,0 +1,632 @@
+"""Run-once functions, the saved-payload read path and stream filtering.
+
+Three methods of :class:`dedup.Gateway` live here, written as module-level
+functions whose first parameter is the Gateway (the class binds them):
+
+* :func:`once`: a decorator that runs an ``async def`` function at most once per
+  value across every process sharing the Redis and the database, and stores its
+  JSON return value as the row's payload;
+* :func:`get`: the saved payload of a value (a database read), or None;
+* :func:`filter`: an async iterator over a stream that yields only the items whose
+  save created the row, saving them in batches through ``save_many``.
+
+The claim/run/commit machinery of ``once`` (:func:`begin` and :class:`Lease`) is
+shared with the blocking facade (:mod:`dedup.sync`) and the ingest middlewares
+(:mod:`dedup.asgi`, :mod:`dedup.aiohttp`). It works through the Gateway's
+:class:`~dedup._engine.parts.EngineParts` and its public methods only.
+
+What "once" means here: the function runs under the value's lease (the same lease
+as a save's, renewed every third of ``lease_ms`` while it runs); only after it
+returned is the row written and the value marked saved. A runner that dies before
+that commit (after the side effect, say) leaves the value unsaved, and the next
+call runs the function again: at most once per value while runners live, at least
+once overall.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import inspect
+import logging
+import random
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+import orjson
+from redis.exceptions import MaxConnectionsError, RedisError
+
+from dedup._values import encode_payload, validate_kind, validate_value
+from dedup.errors import DedupError, InvalidInput, Unavailable, WaitTimeout
+from dedup.types import Item, Row
+
+if TYPE_CHECKING:
+    from dedup._engine.parts import EngineParts
+    from dedup.gateway import Gateway
+    from dedup.store import DefaultSink
+
+__all__ = [
+    "Lease",
+    "Saved",
+    "begin",
+    "filter",
+    "get",
+    "once",
+    "run_once",
+]
+
+log = logging.getLogger("dedup")
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+# Busy values are looked at again after a jittered, growing pause: short at first (a
+# runner often finishes quickly), never longer than this, so a takeover after the
+# lease expires is not delayed much.
+_FIRST_POLL_S = 0.01
+_MAX_POLL_S = 0.2
+# Redis calls that found the Gateway's pool full are retried this often, this far apart.
+_POOL_RETRIES = 50
+_POOL_RETRY_S = 0.005
+
+
+class _Batched:
+    """One script's calls for one Gateway: every key asked for while a call is in flight
+    goes in the next call, and the calls of every :class:`_Batched` of a Gateway go one
+    at a time (``gate``): the Gateway's Redis pool is sized for its own stages and
+    raises rather than waits past its size, so these calls take one connection at
+    most, and retry for a moment when none is free."""
+
+    __slots__ = ("_gate", "_run", "_sender", "_waiting")
+
+    def __init__(
+        self, run: Callable[[list[bytes]], Awaitable[list[str]]], gate: asyncio.Semaphore
+    ) -> None:
+        self._run = run
+        self._gate = gate
+        self._waiting: dict[bytes, list[asyncio.Future[str]]] = {}
+        self._sender: asyncio.Task[None] | None = None
+
+    async def __call__(self, key: bytes) -> str:
+        """The script's answer for ``key``; raises what the call raised."""
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(key, []).append(fut)
+        if self._sender is None:
+            self._sender = asyncio.get_running_loop().create_task(self._drain())
+        return await fut
+
+    async def _call(self, keys: list[bytes]) -> list[str]:
+        # Under a full load of saves the Gateway's own stages may hold every pooled
+        # connection for a moment: wait for one rather than fail the run.
+        for _ in range(_POOL_RETRIES):
+            try:
+                return await self._run(keys)
+            except MaxConnectionsError:
+                await asyncio.sleep(_POOL_RETRY_S)
+        return await self._run(keys)
+
+    async def _drain(self) -> None:
+        try:
+            await asyncio.sleep(0)  # the callers of this tick join the first call
+            while self._waiting:
+                batch, self._waiting = self._waiting, {}
+                try:
+                    async with self._gate:
+                        answers = await self._call(list(batch))
+                except Exception as exc:
+                    for futs in batch.values():
+                        for fut in futs:
+                            if not fut.done():
+                                fut.set_exception(exc)
+                    continue
+                for futs, answer in zip(batch.values(), answers, strict=True):
+                    for fut in futs:
+                        if not fut.done():
+                            fut.set_result(answer)
+        finally:
+            self._sender = None
+            # Cancelled (the loop is closing): nobody answers the rest, so say so.
+            for futs in self._waiting.values():
+                for fut in futs:
+                    if not fut.done():
+                        fut.set_exception(DedupError("the Gateway's loop stopped"))
+            self._waiting.clear()
+
+
+class _State:
+    """What the run-once machinery keeps per open Gateway of this process.
+
+    ``running``: the values being run here, each with a future done when the run
+    ends. Every call of one Gateway claims under the same token (a re-claim of its
+    own lease answers "won"), so two calls of one process meet here, not in Redis.
+    """
+
+    __slots__ = ("abort", "claim", "commit", "running")
+
+    def __init__(self, parts: EngineParts) -> None:
+        claims = parts.claims
+        gate = asyncio.Semaphore(1)
+
+        async def claim(keys: list[bytes]) -> list[str]:
+            return list(await claims.claim(keys))
+
+        async def commit(keys: list[bytes]) -> list[str]:
+            await claims.commit(keys)
+            return [""] * len(keys)
+
+        async def abort(keys: list[bytes]) -> list[str]:
+            await claims.abort(keys)
+            return [""] * len(keys)
+
+        self.running: dict[bytes, asyncio.Future[None]] = {}
+        self.claim = _Batched(claim, gate)
+        self.commit = _Batched(commit, gate)
+        self.abort = _Batched(abort, gate)
+
+
+_STATES: weakref.WeakKeyDictionary[Gateway, _State] = weakref.WeakKeyDictionary()
+
+
+def _state(gw: Gateway, parts: EngineParts) -> _State:
+    state = _STATES.get(gw)
+    if state is None:
+        state = _STATES[gw] = _State(parts)
+    return state
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """The value was already saved: ``payload`` is its stored payload (decoded JSON)."""
+
+    payload: Any
+
+
+def _decode(payload_json: str | None) -> Any:
+    return None if payload_json is None else orjson.loads(payload_json)
+
+
+def _default_sink(parts: EngineParts) -> DefaultSink:
+    sink = parts.default_sink
+    if sink is None:
+        raise DedupError(
+            "once, get and the middlewares read the saved payload back from dedup_items: "
+            "they need the default sink, not a custom one"
+        )
+    return sink
+
+
+async def _fetch(parts: EngineParts, kind: str, digest: bytes) -> tuple[bool, str | None]:
+    """The row of ``(kind, digest)``: whether it exists and its payload JSON, bounded by
+    the Gateway's write timeout."""
+    sink = _default_sink(parts)
+    try:
+        return await asyncio.wait_for(sink.fetch(kind, digest), parts.write_timeout_s)
+    except (DedupError, asyncio.CancelledError):
+        raise
+    except Exception as exc:  # any driver error: the database did not answer
+        parts.stats.db_errors += 1
+        raise Unavailable(f"the database read failed: {exc!r}", component="database") from None
+
+
+def _release(
+    running: dict[bytes, asyncio.Future[None]], key: bytes, fut: asyncio.Future[None]
+) -> None:
+    """End this process's run of ``key``: waiters of the process look again."""
+    if running.get(key) is fut:
+        del running[key]
+    if not fut.done():
+        fut.set_result(None)
+
+
+class Lease:
+    """A won claim on one value: the caller runs the work, then :meth:`finish` or :meth:`fail`.
+
+    A watchdog task re-claims the value every third of ``lease_ms`` (a re-claim of
+    a lease this Gateway holds extends it) until the lease is finished or failed.
+    If the lease was lost meanwhile (the process was paused past it and another
+    runner took over), ``lost`` is True; the database's unique key still decides
+    whose payload is stored.
+    """
+
+    __slots__ = ("_done", "_parts", "_state", "_watchdog", "digest", "key", "kind", "lost",
+                 "value")  # fmt: skip
+
+    def __init__(
+        self,
+        parts: EngineParts,
+        kind: str,
+        value: str,
+        digest: bytes,
+        key: bytes,
+        state: _State,
+        done: asyncio.Future[None],
+    ) -> None:
+        self._parts = parts
+        self.kind = kind
+        self.value = value
+        self.digest = digest
+        self.key = key
+        self._state = state
+        self._done = done
+        self.lost = False
+        self._watchdog = asyncio.get_running_loop().create_task(
+            self._renew(), name="dedup-once-watchdog"
+        )
+
+    async def _renew(self) -> None:
+        period_s = self._parts.lease_ms / 3000
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                letter = await self._state.claim(self.key)
+            except (RedisError, OSError) as exc:
+                # One failed renewal is not yet a lost lease: two more chances remain.
+                log.warning("could not renew the lease of a run-once value: %r", exc)
+                continue
+            if letter != "W":
+                self.lost = True
+                log.warning("a run-once value's lease was lost while its function ran")
+                return
+
+    async def _stop(self) -> None:
+        self._watchdog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._watchdog
+
+    async def finish(self, result: Any) -> Any:
+        """Store ``result`` (JSON-serialisable) as the row's payload, mark the value saved,
+        and return the stored payload decoded: ``result`` as JSON gives it back, or, if
+        another runner's row got there first, that row's payload.
+
+        On any failure (a payload that is not JSON, the database write) the lease is
+        released and nothing is saved: the next call runs the work again.
+        """
+        parts = self._parts
+        try:
+            payload_json = encode_payload(result, parts.limits)
+            row = Row(self.kind, self.digest, self.value, payload_json)
+            parts.stats.db_statements += 1
+            parts.stats.db_rows_sent += 1
+            try:
+                inserted = set(await asyncio.wait_for(parts.sink([row]), parts.write_timeout_s))
+            except Exception as exc:
+                parts.stats.db_errors += 1
+                raise Unavailable(
+                    f"the database write failed: {exc!r}", component="database"
+                ) from None
+            stored = payload_json
+            if (self.kind, self.digest) not in inserted:
+                # Another runner wrote first (this one was paused past its lease):
+                # the row's payload is the answer, for this caller too.
+                stored = (await _fetch(parts, self.kind, self.digest))[1]
+        except BaseException:
+            await self.fail()
+            raise
+        try:
+            await self._stop()
+            try:
+                await self._state.commit(self.key)
+            except (RedisError, OSError) as exc:
+                # The row is durable; a missing marker only costs the next caller a read.
+                parts.stats.redis_errors += 1
+                log.warning("could not mark a run-once value saved: %r", exc)
+            parts.local.add(self.kind, self.digest)
+        finally:
+            _release(self._state.running, self.key, self._done)
+        return _decode(stored)
+
+    async def fail(self) -> None:
+        """Release the lease without saving anything (safe to call twice)."""
+        try:
+            await self._stop()
+            if not self._done.done():
+                # Shielded: a cancelled caller still releases the lease rather than
+                # leaving it to expire.
+                await asyncio.shield(self._state.abort(self.key))
+        except (RedisError, OSError, asyncio.CancelledError) as exc:
+            log.warning("could not release a run-once lease (it expires anyway): %r", exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            _release(self._state.running, self.key, self._done)
+
+
+async def begin(
+    self: Gateway, kind: str, value: str, *, wait_s: float | None = None
+) -> Saved | Lease:
+    """Claim ``value`` of ``kind`` for a run: :class:`Saved` with the stored payload when
+    it is saved already (after waiting, bounded by ``wait_s``, default the Gateway's
+    ``wait_timeout_s``, for a runner elsewhere; 0 does not wait), or a :class:`Lease`
+    when this caller is to run the work.
+
+    Raises :class:`InvalidInput`, :class:`WaitTimeout`, :class:`Unavailable` (also
+    while the Gateway is degraded: without Redis two runners could not be told
+    apart), or :class:`DedupError` when the Gateway is not open or has a custom sink.
+    """
+    kind = validate_kind(kind)
+    parts = self._parts()
+    digest = validate_value(value, parts.limits)
+    _default_sink(parts)
+    if (kind, digest) in parts.local:
+        return Saved(_decode((await _fetch(parts, kind, digest))[1]))
+    key = parts.keys.key(kind, digest)
+    state = _state(self, parts)
+    running = state.running
+    loop = asyncio.get_running_loop()
+    bound_s = parts.wait_timeout_s if wait_s is None else wait_s
+    deadline = loop.time() + bound_s
+    pause_s = _FIRST_POLL_S
+    while True:
+        if parts.degraded():
+            raise Unavailable(
+                "Redis is unavailable (degraded mode): a run-once function cannot be "
+                "guarded by the database alone",
+                component="redis",
+            )
+        other = running.get(key)
+        if other is not None:
+            # Another call of this process runs it: wait for that run's end, then look
+            # again (it may have failed, and then this call runs it).
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await asyncio.shield(other)
+            except TimeoutError:
+                parts.stats.wait_timeouts += 1
+                raise WaitTimeout(
+                    f"the run of this value went on for more than {bound_s} s"
+                ) from None
+            continue
+        mine: asyncio.Future[None] = loop.create_future()
+        running[key] = mine
+        lease: Lease | None = None
+        handed_over = False
+        try:
+            try:
+                letter = await state.claim(key)
+            except (RedisError, OSError) as exc:
+                parts.stats.redis_errors += 1
+                raise Unavailable(f"Redis failed a claim: {exc!r}", component="redis") from None
+            if letter == "W":
+                lease = Lease(parts, kind, value, digest, key, state, mine)
+                # The row may exist with no marker (a plain save whose marker was lost,
+                # or a Redis that restarted empty): then the database has the answer.
+                exists, payload_json = await _fetch(parts, kind, digest)
+                if not exists:
+                    handed_over = True
+                    return lease
+                await lease._stop()
+                with contextlib.suppress(RedisError, OSError):
+                    await state.commit(key)
+                parts.local.add(kind, digest)
+                return Saved(_decode(payload_json))
+            if letter == "S":
+                parts.local.add(kind, digest)
+                return Saved(_decode((await _fetch(parts, kind, digest))[1]))
+        except BaseException:
+            if lease is not None:
+                await lease.fail()
+            raise
+        finally:
+            if not handed_over:
+                _release(running, key, mine)
+        parts.stats.busy += 1
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            parts.stats.wait_timeouts += 1
+            raise WaitTimeout(f"another process held this value's lease for more than {bound_s} s")
+        await asyncio.sleep(min(pause_s * random.uniform(0.5, 1.5), remaining))
+        pause_s = min(pause_s * 2, _MAX_POLL_S)
+
+
+async def run_once(self: Gateway, kind: str, value: str, work: Callable[[], Awaitable[Any]]) -> Any:
+    """Run ``work()`` if this caller wins ``value``'s lease and store its result; return
+    the stored payload (decoded JSON) either way. See :func:`once`."""
+    claimed = await begin(self, kind, value)
+    if isinstance(claimed, Saved):
+        return claimed.payload
+    try:
+        result = await work()
+    except BaseException:
+        await claimed.fail()
+        raise
+    return await claimed.finish(result)
+
+
+def _value_of(key: Callable[..., str] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    if key is not None:
+        return key(*args, **kwargs)
+    if not args:
+        raise InvalidInput(
+            "a run-once function takes the value as its first positional argument "
+            "(or pass key= to map its arguments to the value)",
+            field="value",
+        )
+    value: str = args[0]
+    return value
+
+
+def once(
+    self: Gateway, kind: str, *, key: Callable[..., str] | None = None
+) -> Callable[[Callable[_P, Awaitable[Any]]], Callable[_P, Awaitable[Any]]]:
+    """Decorate an ``async def`` function so that it runs at most once per value of ``kind``
+    across every process that shares this Gateway's Redis and database.
+
+    The value is the function's first positional argument, or ``key(*args, **kwargs)``.
+    The caller that wins the value's lease runs the function; the lease is renewed
+    while it runs. Its return value (JSON-serialisable) is stored as the row's payload
+    and returned, decoded from JSON (a tuple comes back as a list), so every caller,
+    now or later, in any process, gets the same answer. Other callers wait, at most
+    ``wait_timeout_s``, for the runner's outcome (:class:`WaitTimeout` past it).
+
+    If the function raises, its lease is released, nothing is saved, the exception
+    reaches its caller and the next call runs the function again. A runner that dies
+    after the function's side effect but before the commit also leaves the value
+    unsaved: the next call runs it again (see the README on fencing tokens).
+
+    A value already saved by a plain :meth:`Gateway.save` returns its payload (None
+    when it was saved without one) and the function does not run. While the Gateway
+    is degraded (Redis skipped) calls raise :class:`Unavailable` rather than risk a
+    second run. Needs the default sink (``dedup_items``), where the payloads are read.
+    """
+    validate_kind(kind)
+    if key is not None and not callable(key):
+        raise InvalidInput("key must be a callable mapping the arguments to the value", field="key")
+
+    def decorate(fn: Callable[_P, Awaitable[Any]]) -> Callable[_P, Awaitable[Any]]:
+        if not inspect.iscoroutinefunction(fn):
+            raise InvalidInput(
+                "Gateway.once decorates an async def function (SyncGateway.once takes plain ones)",
+                field="function",
+            )
+
+        @functools.wraps(fn)
+        async def run(*args: _P.args, **kwargs: _P.kwargs) -> Any:
+            value = _value_of(key, args, kwargs)
+            return await run_once(self, kind, value, lambda: fn(*args, **kwargs))
+
+        return run
+
+    return decorate
+
+
+async def get(self: Gateway, kind: str, value: str) -> Any:
+    """The payload saved with ``value`` of ``kind`` (decoded JSON), or None when the value
+    is not saved or was saved without a payload.
+
+    A read of the default table (``dedup_items``), bounded by the write timeout: it
+    needs the default sink. Raises :class:`InvalidInput` or :class:`Unavailable`.
+    """
+    kind = validate_kind(kind)
+    parts = self._parts()
+    digest = validate_value(value, parts.limits)
+    return _decode((await _fetch(parts, kind, digest))[1])
+
+
+def filter(
+    self: Gateway,
+    stream: AsyncIterable[_T] | Iterable[_T],
+    kind: str,
+    *,
+    key: Callable[[_T], str] | None = None,
+    payload: Callable[[_T], Any] | None = None,
+    batch_size: int = 256,
+    linger_s: float = 0.005,
+) -> AsyncGenerator[_T, None]:
+    """Yield, in order, the items of ``stream`` whose save created the row: each value
+    passes once, however often and from however many processes it arrives.
+
+    ``stream`` is an async or a plain iterable; ``key(item)`` gives an item's value
+    (default: the item itself, a str) and ``payload(item)`` its payload (default none).
+    Items are saved through :meth:`Gateway.save_many` in batches of up to
+    ``batch_size``, sent when full or ``linger_s`` after their first item arrived (a
+    plain iterable is only looked at between items: a blocking one holds the batch
+    back). A bad item raises :class:`InvalidInput` naming its position in the stream;
+    the items of its unsent batch are not saved. An item is yielded only once its row
+    is committed; errors of ``save_many`` end the iteration.
+    """
+    validate_kind(kind)
+    if isinstance(stream, str | bytes | dict) or not (isinstance(stream, AsyncIterable | Iterable)):
+        raise InvalidInput(
+            f"stream must be an iterable or async iterable of items, not {type(stream).__name__}",
+            field="stream",
+        )
+    for name, fn in (("key", key), ("payload", payload)):
+        if fn is not None and not callable(fn):
+            raise InvalidInput(f"{name} must be a callable on an item", field=name)
+    if type(batch_size) is not int or batch_size < 1:
+        raise InvalidInput("batch_size must be an int >= 1", field="batch_size")
+    if not isinstance(linger_s, int | float) or not 0 <= linger_s < float("inf"):
+        raise InvalidInput("linger_s must be a finite number >= 0", field="linger_s")
+    return _filter(self, stream, kind, key, payload, batch_size, float(linger_s))
+
+
+async def _filter(
+    self: Gateway,
+    stream: AsyncIterable[_T] | Iterable[_T],
+    kind: str,
+    key: Callable[[_T], str] | None,
+    payload: Callable[[_T], Any] | None,
+    batch_size: int,
+    linger_s: float,
+) -> AsyncGenerator[_T, None]:
+    limits = self._parts().limits
+    loop = asyncio.get_running_loop()
+    batch: list[_T] = []
+    items: list[Item] = []
+    first_at = 0.0
+    index = 0
+
+    def add(item: _T) -> None:
+        nonlocal first_at, index
+        value = item if key is None else key(item)
+        validate_value(value, limits, index)
+        if payload is None:
+            items.append((kind, value))  # type: ignore[arg-type]  # validated: a str
+        else:
+            data = payload(item)
+            encode_payload(data, limits, index)  # fails here, naming the stream position
+            items.append((kind, value, data))  # type: ignore[arg-type]
+        if not batch:
+            first_at = loop.time()
+        batch.append(item)
+        index += 1
+
+    async def flush() -> list[_T]:
+        results = await self.save_many(items)
+        created = [item for item, r in zip(batch, results, strict=True) if r.created]
+        batch.clear()
+        items.clear()
+        return created
+
+    if not isinstance(stream, AsyncIterable):
+        for item in stream:
+            add(item)
+            if len(batch) >= batch_size or loop.time() - first_at >= linger_s:
+                for out in await flush():
+                    yield out
+        if batch:
+            for out in await flush():
+                yield out
+        return
+
+    source = aiter(stream)
+
+    async def next_item() -> _T:
+        return await anext(source)
+
+    # The next item is awaited in a task of its own, so that a batch can be sent when
+    # its linger ends without cancelling the stream's own read.
+    pending: asyncio.Task[_T] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = loop.create_task(next_item())
+            timeout = None if not batch else max(0.0, first_at + linger_s - loop.time())
+            if timeout is not None and not pending.done():
+                await asyncio.wait((pending,), timeout=timeout)
+            elif timeout is None:
+                await asyncio.wait((pending,))
+            if not pending.done():
+                for out in await flush():
+                    yield out
+                continue
+            task, pending = pending, None
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                break
+            add(item)
+            if len(batch) >= batch_size:
+                for out in await flush():
+                    yield out
+        if batch:
+            for out in await flush():
+                yield out
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await pending

@@ -1,0 +1,717 @@
+"""Step 4 across processes: the fleet's winners share one write queue and one writer.
+
+Batching only its own winners, each process sends smaller statements as the fleet
+grows (16 processes of 16 callers can never fill a batch past 16 rows). In shared
+mode a winner does not write: it pushes its row onto one Redis list. One writer,
+elected with the project's own fenced lease (:class:`dedup.lock.Lock`, renewed by
+its watchdog and taken over when its holder dies or pauses past it), drains the
+list into large sorted statements, commits the markers, and publishes each outcome
+on the claimant's own channel; every process answers its callers from those words.
+
+Who shares: only gateways whose sinks have the same identity (the default sink's is
+its database URL without the password, plus the table; a custom sink declares one,
+or never shares). The queue, the election, the heartbeat and the channels are all
+named after that identity, so gateways of several services on one Redis share
+markers but each writes its own rows into its own database.
+
+Nothing is acknowledged before the row is committed, and no wait is unbounded:
+
+* a queued row's lease holds a token naming the claim; the claimant renews it while
+  it waits (so no other gateway can claim a value whose row is still queued);
+* the writer checks every row it pops (format, claim, signature with
+  ``shared_secret``, the save's own checks) and swaps its term into the row's lease
+  in the same script that checks the lease is still queued, then writes; a claimant
+  takes a row back (the lease is its own again) in one script too, only while no
+  writer holds it: so a row is written by the writer or by its claimant, never by
+  both, and the one ``created=True`` is never lost between them. It takes rows back
+  when the writer answers ``r``, when the term it waits for ends or changes, or in
+  time for its caller's ``wait_timeout_s``; it writes them itself when the queue is
+  full;
+* a writer whose statement times out, or fails a few times in a row, hands its rows
+  back (``r``), gives up the role and rests a while, so a writer cut off from its
+  database never holds up the fleet;
+* answers name their claim (gateway and nonce), so a stale answer resolves nothing.
+
+The mode: ``shared_writes="auto"`` (the default) writes across processes while
+more than one gateway of the same sink is alive (a heartbeat set in Redis), and
+per process otherwise, where the extra hop only costs; ``"on"`` and ``"off"`` force it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from dedup._claims.protocol import Claims
+from dedup._engine.flights import Flight, FlightTable
+from dedup._engine.shared_scripts import (
+    ENQUEUE,
+    HEARTBEAT,
+    HOLD,
+    LEAVE,
+    POP,
+    RENEW,
+    TAKE_BACK,
+    UNHOLD,
+)
+from dedup._engine.shared_wire import BadMessage, QueuedRow, Wire
+from dedup._engine.wait_queue import WaitQueue
+from dedup._engine.write_stage import write_rows
+from dedup._redis.script import Script
+from dedup.lock import Lock
+from dedup.metrics import Stats
+from dedup.types import BatchWriter
+
+__all__ = ["SharedWrites"]
+
+log = logging.getLogger("dedup")
+
+
+_HEARTBEAT, _LEAVE, _ENQUEUE = Script(HEARTBEAT), Script(LEAVE), Script(ENQUEUE)
+_POP, _RENEW, _TAKE_BACK = Script(POP), Script(RENEW), Script(TAKE_BACK)
+_HOLD, _UNHOLD = Script(HOLD), Script(UNHOLD)
+_HEARTBEAT_S = 1.0
+_POP_BLOCK_S = 0.1
+_IDLE_S = 0.2
+_MAX_FAILURES = 3
+"""Statements in a row a writer may fail before it gives up the role (a timeout: one)."""
+_REST_LEASES = 3
+"""Leases a writer that gave up the role waits before standing again."""
+_WARN_EVERY_S = 10.0
+_ANSWER_GRACE_S = 0.25
+"""How long a claimant that finds its queued row's lease gone waits for the writer's word
+before claiming the value afresh (the word is published before the lease goes)."""
+
+
+class _Queued:
+    """A row this gateway queued and still waits for: its flight, the claim's nonce, the
+    token its lease holds while queued, the writer's term it waits for (None: none was
+    popping), and whether a take-back of it is under way."""
+
+    __slots__ = ("flight", "gone", "nonce", "queued", "returning", "term")
+
+    def __init__(self, flight: Flight, nonce: int, queued: str, term: bytes | None) -> None:
+        self.flight = flight
+        self.nonce = nonce
+        self.queued = queued
+        self.term = term
+        self.returning = False
+        self.gone = False  # its lease was found gone once: the writer's word may be on its way
+
+
+_ENDED = b""
+"""The term of a row held by a writer whose term ended: never the current one."""
+
+
+class SharedWrites:
+    """The shared write queue of one Gateway: its writer candidate, heartbeat and listener.
+
+    ``mode`` is ``"auto"``, ``"on"`` or ``"off"``; ``sink`` names the sink's
+    identity digest (:func:`dedup._engine.shared_wire.sink_id`). ``enqueue`` queues the
+    rows of won flights; :attr:`active` says whether claims should use it now.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        mode: str,
+        client: Redis,
+        namespace: str,
+        wire: Wire,
+        claims: Claims,
+        sink: BatchWriter,
+        flights: FlightTable,
+        waits: WaitQueue,
+        requeue: Callable[[list[Flight]], None],
+        write_here: Callable[[list[Flight]], None],
+        stats: Stats,
+        redis_failed: Callable[[BaseException], object],
+        usable: Callable[[], bool],
+        spawn: Callable[[Awaitable[None]], None],
+        batch_rows: int,
+        linger_s: float,
+        lease_s: float,
+        write_timeout_s: float,
+        write_budget_s: float,
+        queue_max: int,
+    ) -> None:
+        self._loop = loop
+        self._mode = mode
+        self._client = client
+        self._wire = wire
+        self._claims = claims
+        self._sink = sink
+        self._flights = flights
+        self._waits = waits
+        self._requeue = requeue
+        self._write_here = write_here
+        self._stats = stats
+        self._redis_failed = redis_failed
+        self._usable = usable
+        self._spawn = spawn
+        self._batch_rows = batch_rows
+        # A busy writer with fewer rows than this tops up every ``linger_s``.
+        self._fill = max(1, batch_rows // 2)
+        self._linger_s = linger_s
+        # Two statements overlap: one fills while the other waits for its commit. Like
+        # the per-process batcher, an idle writer sends at once and a busy one lingers
+        # for a fuller statement, so statements stay few under load and waits short.
+        self._statements = asyncio.Semaphore(2)
+        self._writing = 0
+        self._popping = False
+        self._lease_s = lease_s
+        self._lease_ms = max(1, int(lease_s * 1000))
+        self._writer_lease_s = max(1.0, lease_s)
+        # The heartbeat outlives the writer lease by a lease: when a writer dies, the
+        # others still count it (and so stand for writer) until its lease has passed to
+        # one of them, which then drains the queue.
+        self._heartbeat_ttl_ms = max(3500, int(self._writer_lease_s * 2000))
+        self._queue_ttl_ms = max(1000, int(lease_s * 2000))
+        self._queue_max = queue_max
+        self._write_timeout_s = write_timeout_s
+        self._write_budget_s = write_budget_s
+        prefix = f"{namespace}:{{w}}:{wire.sink}:"  # one hash tag: every shared key in one slot
+        self._queue_key = (prefix + "queue").encode()
+        self._fleet_key = (prefix + "fleet").encode()
+        self._writer_key = prefix + "writer"
+        self._term_key = (prefix + "term").encode()
+        self._channels = prefix + "done:"
+        self.gateway_id = secrets.token_hex(8)
+        self._channel = self._channels + self.gateway_id
+        self._nonces = itertools.count(1)
+        # Rows this gateway queued and still waits for, by key: the flight, its nonce and
+        # the writer's term when it was queued (the writer that should pop it).
+        self._pending: dict[bytes, _Queued] = {}
+        self._term = b""
+        self._listening = False
+        self._fleet = 1
+        self._stopping = False
+        self._failures = 0
+        self._resign = False
+        self._rest_until = 0.0
+        self._abandoned: set[asyncio.Future[Any]] = set()
+        self._warned_at = -_WARN_EVERY_S
+        self._unwarned = 0
+        self.writer = False
+        """True while this gateway holds the writer lease."""
+
+    @property
+    def active(self) -> bool:
+        """Whether winners should queue their rows (rather than write them here) now."""
+        if self._mode == "off" or not self._listening or not self._usable():
+            return False
+        return self._mode == "on" or self._fleet > 1
+
+    def start(self) -> None:
+        """Start listening, beating, renewing queued rows and standing for writer."""
+        if self._mode == "off":
+            return
+        self._spawn(self._listen())
+        self._spawn(self._beat())
+        self._spawn(self._renew())
+        self._spawn(self._stand())
+
+    async def stop(self) -> None:
+        """Stop popping, let the statements in flight finish (bounded), leave the fleet;
+        the engine then cancels the tasks. Rows a stopping writer popped but did not
+        write are answered ``r``: their claimants write them."""
+        self._stopping = True
+        if self._mode == "off":
+            return
+        deadline = self._loop.time() + self._write_timeout_s + 1
+        while (self._writing or self._popping) and self._loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+        with contextlib.suppress(RedisError, OSError, TimeoutError):  # it expires anyway
+            await asyncio.wait_for(_LEAVE(self._client, [self._fleet_key], [self.gateway_id]), 1)
+
+    # ------------------------------------------------------------- claimant side
+
+    async def enqueue(self, won: list[Flight]) -> list[Flight]:
+        """Queue the rows of ``won`` (leases held) for the writer, then wait for its word;
+        returns those to write here instead (too close to their deadline, the queue is
+        full, or the lease is no longer ours).
+
+        A queued row's lease holds its queued token, renewed while the row waits. The
+        writer that pops it swaps in its term before writing (so nobody else takes
+        it); this gateway takes it back (the lease is ours again) and writes it here
+        when the writer answers ``r``, when the term it waits for ends or changes
+        before a writer holds it, or when its caller's ``wait_timeout_s`` leaves just
+        enough time to write it. Either the writer or this gateway writes it, never both.
+        """
+        now = self._loop.time()
+        budget = self._write_budget_s
+        here: list[Flight] = []
+        queued: list[Flight] = []
+        for f in won:
+            # Queue only a row whose caller can still wait for the writer a while and
+            # then, with no word, have it written here before its deadline.
+            (queued if f.deadline - budget > now + _IDLE_S else here).append(f)
+        if not queued:
+            return here
+        gw, token, row = self.gateway_id, self._claims.token, self._wire.row
+        nonces = [next(self._nonces) for _ in queued]
+        tokens = [f"{token}#{n}" for n in nonces]
+        args: list[Any] = [self._queue_max, self._queue_ttl_ms, token, self._lease_ms]
+        for f, n, t in zip(queued, nonces, tokens, strict=True):
+            args += (t, row(gw, n, t, f.key, f.kind, f.value, f.payload_json))
+        # Waited for from now on: the writer may pop, write and answer a row before
+        # the script's reply is read here, and its word must find the claim.
+        pending = self._pending
+        entries = [_Queued(f, n, t, None) for f, n, t in zip(queued, nonces, tokens, strict=True)]
+        for e in entries:
+            pending[e.flight.key] = e
+
+        def forget(e: _Queued) -> bool:  # False if the writer's word came first
+            if pending.get(e.flight.key) is not e:
+                return False
+            del pending[e.flight.key]
+            return not e.flight.done
+
+        # The rows carry values in clear: none outlives its use. A row older than a
+        # lease is written by its claimant anyway, so the queue of a fleet that died
+        # vanishes two leases after its last push.
+        try:
+            (added, term, flags), trips = await _ENQUEUE(
+                self._client, [self._queue_key, self._term_key, *(f.key for f in queued)], args
+            )
+        except BaseException:
+            for e in entries:  # never queued: the caller writes them
+                forget(e)
+            raise
+        self._stats.redis_round_trips += trips
+        if not added:  # past the cap: the writer is behind, write these here
+            self._stats.shared_queue_full += len(queued)
+            return here + [e.flight for e in entries if forget(e)]
+        term = term or None
+        flags = flags.decode() if isinstance(flags, bytes) else str(flags)
+        recheck = self._waits.recheck_at
+        for e, flag in zip(entries, flags, strict=True):
+            if flag != "1":  # the lease slipped away meanwhile: the write stage decides
+                if forget(e):
+                    here.append(e.flight)
+                continue
+            self._stats.shared_rows_queued += 1
+            if pending.get(e.flight.key) is e:  # no word yet
+                e.term = term
+                # With no word by then (a lost answer), it is taken back in time.
+                recheck(e.flight, e.flight.deadline - budget)
+        return here
+
+    def waiting(self, f: Flight) -> bool:
+        """Whether ``f``'s row is queued and this gateway still waits for its word."""
+        entry = self._pending.get(f.key)
+        return entry is not None and entry.flight is f
+
+    async def take_back(self, flights: list[Flight], *, due: bool = False) -> None:
+        """Take the rows of ``flights`` (queued, with no word yet) back to write them here.
+
+        One script decides each row: taken back (the lease is ours again: written
+        here), held by the current writer (its word comes), held by a writer whose term
+        ended (its lease runs out unless it answers), or gone (claimed afresh). ``due``:
+        their callers' deadline nears, so rows that stay with a writer wait as busy
+        values do, ending by the deadline. Redis errors propagate.
+        """
+        entries = []
+        for f in flights:
+            entry = self._pending.get(f.key)
+            if entry is not None and entry.flight is f and not entry.returning:
+                entry.returning = True
+                entries.append(entry)
+        if not entries:
+            return
+        started = self._loop.time()
+        try:
+            letters: Any = ""
+            term: Any = None
+            for i in range(0, len(entries), 1000):
+                part = entries[i : i + 1000]
+                (got, term), trips = await _TAKE_BACK(
+                    self._client,
+                    [self._term_key, *(e.flight.key for e in part)],
+                    [self._claims.token, self._lease_ms, *(e.queued for e in part)],
+                )
+                self._stats.redis_round_trips += trips
+                letters += got.decode() if isinstance(got, bytes) else str(got)
+        finally:
+            for e in entries:
+                e.returning = False
+        term = term or None
+        pending, stats = self._pending, self._stats
+        here: list[Flight] = []
+        again: list[Flight] = []
+        for e, letter in zip(entries, letters, strict=True):
+            f = e.flight
+            if f.done or pending.get(f.key) is not e:
+                continue  # answered meanwhile
+            if letter == "o":  # ours again: written here
+                del pending[f.key]
+                stats.shared_rows_returned += 1
+                f.claimed_at = started  # the script renewed the lease
+                here.append(f)
+            elif letter == "x" and not e.gone:
+                # Most often a writer wrote it and marked it saved just now: its word,
+                # published first, may still be on its way. Look again a moment later.
+                e.gone, e.term = True, _ENDED
+                self._waits.recheck_at(f, min(self._loop.time() + _ANSWER_GRACE_S, f.deadline))
+            elif letter == "x":  # still gone, no word: claimed afresh (won again, it
+                del pending[f.key]  # is written here; saved, it answers created=False)
+                stats.shared_rows_returned += 1
+                again.append(f)
+            else:
+                e.term = term if letter == "h" else _ENDED
+                if due:
+                    self._waits.wait(f)
+        if here:
+            self._write_here(here)
+        if again:
+            self._requeue(again)
+
+    async def _take_back_soon(self, flights: list[Flight]) -> None:
+        try:
+            await self.take_back(flights)
+        except (RedisError, OSError) as exc:
+            self._redis_failed(exc)
+
+    def _answer(self, message: bytes) -> None:
+        """The writer's word on some of our rows: answer their callers."""
+        try:
+            claims = self._wire.read_answer(message, self.gateway_id)
+        except BadMessage as exc:
+            self._bad(str(exc))
+            return
+        pending, resolve, stats = self._pending, self._flights.resolve, self._stats
+        back: list[Flight] = []
+        for letter, key, nonce in claims:
+            entry = pending.get(key)
+            if entry is None or entry.nonce != nonce:
+                continue  # a stale word, or a claim this gateway does not wait for
+            f = entry.flight
+            if f.done:
+                del pending[key]
+                continue
+            if letter == "i":
+                del pending[key]
+                stats.write += 1
+                resolve(f, "write")
+            elif letter == "e":
+                del pending[key]
+                stats.db += 1
+                resolve(f, "db")
+            else:  # "r": the writer did not write it; take it back and write it here
+                back.append(f)
+        if back:
+            self._spawn(self._take_back_soon(back))
+
+    async def _listen(self) -> None:
+        """Receive the writer's words on this gateway's channel; resubscribe after errors."""
+        while not self._stopping:
+            if not self._usable():  # never touch a Redis the circuit keeps us off
+                await asyncio.sleep(_IDLE_S)
+                continue
+            pubsub = self._client.pubsub()
+            try:
+                await pubsub.subscribe(self._channel)
+                self._listening = True
+                while self._usable():
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
+                    if message is not None and message["type"] == "message":
+                        self._answer(message["data"])
+            except (RedisError, OSError) as exc:
+                self._listening = False
+                self._redis_failed(exc)
+                await asyncio.sleep(0.2)
+            finally:
+                self._listening = False
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def _renew(self) -> None:
+        """A third of a lease apart: renew the leases of the rows this gateway queued, so
+        that no other gateway claims a value whose row still waits for the writer, and
+        take back the rows whose writer has stopped popping or changed since."""
+        while not self._stopping:
+            await asyncio.sleep(self._lease_s / 3)
+            pending = self._pending
+            for key in [k for k, e in pending.items() if e.flight.done]:
+                del pending[key]
+            if not pending or not self._usable():
+                continue
+            entries = list(pending.values())
+            term: Any = None
+            try:
+                for i in range(0, len(entries), 1000):
+                    part = entries[i : i + 1000]
+                    term, trips = await _RENEW(
+                        self._client,
+                        [self._term_key, *(e.flight.key for e in part)],
+                        [self._lease_ms, *(e.queued for e in part)],
+                    )
+                    self._stats.redis_round_trips += trips
+            except (RedisError, OSError) as exc:
+                self._redis_failed(exc)
+                continue
+            term = term or None
+            # Rows queued while no writer popped wait for the first that does; a row
+            # whose term ended or changed may have been popped and lost: take it back
+            # (unless a writer holds it), and with no writer popping, every row.
+            back: list[Flight] = []
+            for e in entries:
+                if term is not None and e.term is None:
+                    e.term = term
+                elif not e.returning and (term is None or e.term != term):
+                    back.append(e.flight)
+            if back:
+                await self._take_back_soon(back)
+
+    async def _beat(self) -> None:
+        """Count the live gateways of this sink, once a second."""
+        while not self._stopping:
+            if not self._usable():
+                await asyncio.sleep(_IDLE_S)
+                continue
+            try:
+                fleet, trips = await _HEARTBEAT(
+                    self._client, [self._fleet_key], [self.gateway_id, self._heartbeat_ttl_ms]
+                )
+                self._stats.redis_round_trips += trips
+                self._fleet = int(fleet)
+            except (RedisError, OSError) as exc:
+                self._redis_failed(exc)
+            await asyncio.sleep(_HEARTBEAT_S)
+
+    def _bad(self, reason: str) -> None:
+        """A message that cannot be used: count it, and log at most once per interval."""
+        self._stats.shared_bad_messages += 1
+        self._unwarned += 1
+        now = self._loop.time()
+        if now - self._warned_at >= _WARN_EVERY_S:
+            log.warning(
+                "shared writes: skipped %d unusable message(s) in Redis; the last: %s",
+                self._unwarned,
+                reason,
+            )
+            self._warned_at, self._unwarned = now, 0
+
+    # ------------------------------------------------------------- writer side
+
+    def _may_stand(self) -> bool:
+        # A writer that gave up rests, and never stands while a statement it abandoned
+        # (a sink ignoring cancellation) still runs.
+        return self.active and self._loop.time() >= self._rest_until and not self._abandoned
+
+    async def _stand(self) -> None:
+        """Stand for writer: take the writer lease when free, write while it is held."""
+        lease = Lock(
+            self._client,
+            self._writer_key,
+            timeout=self._writer_lease_s,
+            blocking=False,
+            watchdog=True,
+            release_signal=False,
+        )
+        while not self._stopping:
+            if not self._may_stand():
+                await asyncio.sleep(_IDLE_S)
+                continue
+            try:
+                if not await lease.acquire(blocking=False):
+                    await asyncio.sleep(self._lease_s / 3)
+                    continue
+            except (RedisError, OSError) as exc:
+                self._redis_failed(exc)
+                await asyncio.sleep(self._lease_s / 3)
+                continue
+            self.writer = True
+            # A term of its own each time: claimants whose rows an earlier term may have
+            # popped (and lost) take them back when the term changes.
+            self._term = f"{self.gateway_id}:{lease.fence}".encode()
+            self._resign = False
+            self._failures = 0
+            log.info("shared writes: this gateway writes for the fleet (fence %s)", lease.fence)
+            try:
+                await self._drain(lease)
+            except (RedisError, OSError) as exc:
+                self._redis_failed(exc)
+                await asyncio.sleep(0.2)
+            finally:
+                self.writer = False
+                if self._resign:
+                    self._rest_until = self._loop.time() + _REST_LEASES * self._lease_s
+                    log.warning(
+                        "shared writes: this gateway's statements fail, so it gives up "
+                        "writing for the fleet; the others write their own rows or elect "
+                        "another writer"
+                    )
+                if not lease.lost.is_set():
+                    try:
+                        await asyncio.wait_for(lease.release(), 1)
+                    except Exception:  # the lease expires on its own
+                        log.debug("could not release the writer lease", exc_info=True)
+
+    async def _drain(self, lease: Lock) -> None:
+        """Pop and write while the lease is held; a fleet of one drains what is left."""
+        while (
+            not lease.lost.is_set()
+            and not self._stopping
+            and not self._resign
+            and self._usable()
+            and not self._abandoned
+        ):
+            await self._statements.acquire()  # a slot, before popping rows for it
+            self._popping = True
+            try:
+                rows = await self._pop()
+            except BaseException:
+                self._statements.release()
+                raise
+            finally:
+                self._popping = False
+            if rows:
+                self._writing += 1  # now, so that stop() waits for it
+                self._spawn(self._write_in_slot(rows))
+            else:
+                self._statements.release()
+                if not self.active:
+                    return  # nothing left, and no fleet to write for
+
+    async def _write_in_slot(self, rows: list[bytes]) -> None:
+        try:
+            await self._write(rows)
+        except (RedisError, OSError) as exc:
+            self._redis_failed(exc)
+        finally:
+            self._writing -= 1
+            self._statements.release()
+
+    async def _pop(self) -> list[bytes]:
+        """One statement's worth of queued rows: wait for some; while another statement
+        is in flight, top up every ``linger_s`` until half full or that one ends. Rows
+        once popped are kept whatever fails later: the statement writes them."""
+        rows: list[bytes] = await self._take(self._batch_rows)
+        try:
+            if not rows:
+                got: Any = await self._client.blpop([self._queue_key], timeout=_POP_BLOCK_S)
+                self._stats.redis_round_trips += 1
+                if not got:
+                    return []
+                rows = [got[1], *await self._take(self._batch_rows - 1)]
+            while self._writing and len(rows) < self._fill and not self._stopping:
+                # Let the statement fill: the fleet's winners keep arriving meanwhile.
+                await asyncio.sleep(self._linger_s)
+                rows.extend(await self._take(self._batch_rows - len(rows)))
+        except (RedisError, OSError) as exc:
+            if not rows:
+                raise
+            self._redis_failed(exc)
+        return rows
+
+    async def _take(self, count: int) -> list[bytes]:
+        taken, trips = await _POP(
+            self._client,
+            [self._queue_key, self._term_key],
+            [count, self._term, int(self._writer_lease_s * 1000)],
+        )
+        self._stats.redis_round_trips += trips
+        return list(taken)
+
+    async def _write(self, raw: list[bytes]) -> None:
+        """Check the popped rows and their leases, write them in one sorted statement,
+        then each claimant's word, then the markers."""
+        words: dict[str, dict[str, list[Any]]] = {}
+
+        def word(gateway: str, letter: str, nonce: int, key: bytes) -> None:
+            words.setdefault(gateway, {}).setdefault(letter, []).extend((key.hex(), nonce))
+
+        queued: list[QueuedRow] = []
+        for item in raw:
+            try:
+                queued.append(self._wire.read_row(item))
+            except BadMessage as exc:
+                self._bad(str(exc))
+                if exc.reply_to is not None:  # a genuine claim this writer cannot write
+                    gateway, nonce, key = exc.reply_to
+                    word(gateway, "r", nonce, key)
+        if self._resign or self._stopping:  # given up meanwhile: hand them back
+            for q in queued:
+                word(q.gateway, "r", q.nonce, q.key)
+            await self._publish(words)
+            return
+        chosen: dict[bytes, QueuedRow] = {}
+        if queued:
+            held, trips = await _HOLD(
+                self._client,
+                [q.key for q in queued],
+                [self._lease_ms, self._term, *(q.token for q in queued)],
+            )
+            self._stats.redis_round_trips += trips
+            held = held.decode() if isinstance(held, bytes) else held
+            for q, ok in zip(queued, held, strict=True):
+                if ok == "1" and q.key not in chosen:
+                    chosen[q.key] = q
+                else:  # its lease is gone or another's, or a second row of one key
+                    word(q.gateway, "r", q.nonce, q.key)
+        entries = sorted(chosen.values(), key=lambda q: (q.row.kind, q.row.digest))
+        if not entries:
+            await self._publish(words)
+            return
+        stats = self._stats
+        stats.db_statements += 1
+        stats.db_rows_sent += len(entries)
+        stats.shared_statements += 1
+        try:
+            inserted = await write_rows(
+                self._sink, [q.row for q in entries], self._write_timeout_s, self._abandoned
+            )
+        except Exception as exc:
+            stats.db_errors += 1
+            self._failures += 1
+            if isinstance(exc, TimeoutError) or self._failures >= _MAX_FAILURES:
+                self._resign = True
+            # The reason stays in this gateway's log: other services' callers get only
+            # "write it yourself", never this database's error text.
+            log.warning(
+                "shared writes: a statement of %d rows failed (%s); their claimants write them",
+                len(entries),
+                type(exc).__name__,
+            )
+            # Queued again, so that their claimants can take them back and write them.
+            _, trips = await _UNHOLD(
+                self._client,
+                [q.key for q in entries],
+                [self._lease_ms, self._term, *(q.token for q in entries)],
+            )
+            stats.redis_round_trips += trips
+            for q in entries:
+                word(q.gateway, "r", q.nonce, q.key)
+            await self._publish(words)
+            return
+        self._failures = 0
+        for q in entries:
+            letter = "i" if (q.row.kind, q.row.digest) in inserted else "e"
+            word(q.gateway, letter, q.nonce, q.key)
+        # Callers are answered once the rows are committed; the markers follow.
+        await self._publish(words)
+        try:
+            await self._claims.commit([q.key for q in entries])
+        except (RedisError, OSError) as exc:
+            stats.redis_errors += 1
+            self._redis_failed(exc)
+            log.warning("could not mark %d saved values in Redis: %s", len(entries), exc)
+
+    async def _publish(self, words: dict[str, dict[str, list[Any]]]) -> None:
+        if not words:
+            return
+        prefix, answer = self._channels, self._wire.answer
+        async with self._client.pipeline(transaction=False) as pipe:
+            for gw, word in words.items():
+                pipe.publish(prefix + gw, answer(gw, word))
+            await pipe.execute()
+        self._stats.redis_round_trips += 1

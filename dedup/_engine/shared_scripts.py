@@ -1,0 +1,152 @@
+"""The Lua of shared writes: the fleet's heartbeat and writer election, the bounded queue
+(push, pop), and the lease moves between a claimant and the writer (renew, hold, unhold,
+take back), each one atomic step on the server.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ENQUEUE", "HEARTBEAT", "HOLD", "LEAVE", "POP", "RENEW", "TAKE_BACK", "UNHOLD"]
+
+
+HEARTBEAT = """
+-- KEYS[1]: the set of live gateways (score: expiry in ms of the server's clock)
+-- ARGV[1]: this gateway's id; ARGV[2]: how long its heartbeat counts, in ms
+-- Returns: how many gateways are alive, this one included
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('PEXPIRE', KEYS[1], ttl * 2)
+return redis.call('ZCARD', KEYS[1])
+"""
+
+
+LEAVE = """
+-- KEYS[1]: the set of live gateways; ARGV[1]: this gateway's id
+-- Returns: 1 if it was there
+return redis.call('ZREM', KEYS[1], ARGV[1])
+"""
+
+
+ENQUEUE = """
+-- KEYS[1]: the write queue; KEYS[2]: the writer's term (set while a writer pops);
+--   KEYS[2+i]: the lease key of row i
+-- ARGV[1]: the most rows the queue may hold; ARGV[2]: its expiry in ms; ARGV[3]: the
+--   claimant's token; ARGV[4]: the lease in ms; ARGV[3+2i]: row i's queued token (the
+--   claimant's token, '#', the claim's nonce); ARGV[4+2i]: row i
+-- Returns: {1 when the rows fit under the cap, 0 when not (none queued), the writer's
+--   term or false, one character per row: 1 queued, 0 not (its lease is no longer the
+--   claimant's)}
+-- A queued row's lease holds its queued token: only a writer that finds it there may
+-- write the row, and only a claimant that finds it there may take the row back.
+local n = #KEYS - 2
+local term = redis.call('GET', KEYS[2])
+if redis.call('LLEN', KEYS[1]) + n > tonumber(ARGV[1]) then return {0, term, ''} end
+local token, lease, rows, out = ARGV[3], ARGV[4], {}, {}
+for i = 1, n do
+  local key = KEYS[2 + i]
+  if redis.call('GET', key) == token then
+    redis.call('SET', key, ARGV[3 + 2 * i], 'PX', lease)
+    rows[#rows + 1] = ARGV[4 + 2 * i]
+    out[i] = '1'
+  else
+    out[i] = '0'
+  end
+end
+for i = 1, #rows, 1000 do
+  redis.call('RPUSH', KEYS[1], unpack(rows, i, math.min(i + 999, #rows)))
+end
+if #rows > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return {1, term, table.concat(out)}
+"""
+
+
+POP = """
+-- KEYS[1]: the write queue; KEYS[2]: the writer's term
+-- ARGV[1]: the most rows to take; ARGV[2]: this writer's term; ARGV[3]: its expiry in ms
+-- Returns: up to ARGV[1] rows from the queue's head, taken off it
+-- A writer names its term at every pop: claimants wait for it while the term lasts.
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+local rows = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
+if #rows > 0 then redis.call('LTRIM', KEYS[1], #rows, -1) end
+return rows
+"""
+
+
+RENEW = """
+-- KEYS[1]: the writer's term; KEYS[1+i]: the lease key of a row a claimant queued and
+--   still waits for
+-- ARGV[1]: the lease in ms; ARGV[1+i]: row i's queued token
+-- Returns: the writer's term or false (each lease still holding its queued token is
+--   renewed; one a writer holds is the writer's to renew)
+for i = 2, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[i] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[1])
+  end
+end
+return redis.call('GET', KEYS[1])
+"""
+
+
+TAKE_BACK = """
+-- KEYS[1]: the writer's term; KEYS[1+i]: the lease key of a row the claimant queued
+-- ARGV[1]: the claimant's token; ARGV[2]: the lease in ms; ARGV[2+i]: row i's queued token
+-- Returns: {one letter per row, the writer's term or false}:
+--   o = taken back: the lease is the claimant's again (renewed), no writer will write it;
+--   h = a writer of the current term holds it (its word comes);
+--   d = a writer of an ended term holds it (its lease expires unless it answers);
+--   x = the lease is gone (saved, expired, or another's)
+local term = redis.call('GET', KEYS[1])
+local out = {}
+for i = 2, #KEYS do
+  local v, queued = redis.call('GET', KEYS[i]), ARGV[1 + i]
+  if v == queued then
+    redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[2])
+    out[i - 1] = 'o'
+  elseif v and string.sub(v, 1, #queued + 1) == queued .. '@' then
+    out[i - 1] = (term and string.sub(v, #queued + 2) == term) and 'h' or 'd'
+  else
+    out[i - 1] = 'x'
+  end
+end
+return {table.concat(out), term}
+"""
+
+
+HOLD = """
+-- KEYS: the lease keys of the rows a writer popped
+-- ARGV[1]: the lease in ms; ARGV[2]: the writer's term; ARGV[2+i]: row i's queued token
+-- Returns: one character per row: 1 when its lease still held the queued token (it now
+--   holds the queued token, '@', the term, for a lease, so that the statement ends
+--   inside it and its claimant cannot take it back), 0 when not (taken back, expired,
+--   another claimant's, or saved)
+local lease, term, out = ARGV[1], ARGV[2], {}
+for i, key in ipairs(KEYS) do
+  local queued = ARGV[2 + i]
+  if redis.call('GET', key) == queued then
+    redis.call('SET', key, queued .. '@' .. term, 'PX', lease)
+    out[i] = '1'
+  else
+    out[i] = '0'
+  end
+end
+return table.concat(out)
+"""
+
+
+UNHOLD = """
+-- KEYS: the lease keys of rows a writer held and could not write
+-- ARGV[1]: the lease in ms; ARGV[2]: the writer's term; ARGV[2+i]: row i's queued token
+-- Returns: how many were still held by this term (each now queued again, for its
+--   claimant to take back)
+local n = 0
+for i, key in ipairs(KEYS) do
+  local queued = ARGV[2 + i]
+  if redis.call('GET', key) == queued .. '@' .. ARGV[2] then
+    redis.call('SET', key, queued, 'PX', ARGV[1])
+    n = n + 1
+  end
+end
+return n
+"""

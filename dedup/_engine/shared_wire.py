@@ -1,0 +1,187 @@
+"""The wire format of shared writes: queued rows and the writer's answers, checked.
+
+Anyone who can write to the namespace's Redis keys can put bytes on the queue or
+publish on a gateway's channel, so nothing read from either is trusted as it
+comes. Each message carries a format version, the sink it is meant for and the
+claim it belongs to (the claimant gateway and a nonce of its own); a queued row is
+checked as the Gateway checks a save (kind, value, payload, sizes) and its digest
+and key are recomputed. With a ``shared_secret`` every message is signed (keyed
+BLAKE2b, a MAC), so a client without the secret can neither insert rows nor
+acknowledge saves.
+
+A message is ``<mac>|<JSON>``; the mac is empty without a secret.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from typing import Any
+
+import orjson
+
+from dedup._claims.keys import KeySpace, derive_key
+from dedup._values import Limits, encode_payload, validate_kind, validate_value
+from dedup.errors import InvalidInput
+from dedup.types import Row
+
+__all__ = ["FORMAT", "BadMessage", "QueuedRow", "Wire", "sink_id"]
+
+FORMAT = 1
+"""The version of queued rows and answers; a gateway reads only its own version."""
+
+ANSWERS = ("i", "e", "r")
+"""The writer's word per row: ``i`` inserted by its statement, ``e`` the row existed,
+``r`` not written by the writer (failed, stepped down, lease gone): write it yourself."""
+
+_GATEWAY_ID = re.compile(r"[0-9a-f]{16}")
+_MAX_TOKEN_CHARS = 64
+_MAC_BYTES = 16
+
+
+class BadMessage(Exception):
+    """Raised when a queued row or an answer cannot be used; ``reply_to`` names the
+    claim (gateway, nonce, key) of a signed, well-formed row that this writer still
+    cannot write (its claimant then writes it itself), or is None."""
+
+    def __init__(self, reason: str, reply_to: tuple[str, int, bytes] | None = None) -> None:
+        super().__init__(reason)
+        self.reply_to = reply_to
+
+
+class QueuedRow:
+    """One row read off the queue: whose claim it is, and the row itself."""
+
+    __slots__ = ("gateway", "key", "nonce", "row", "token")
+
+    def __init__(self, gateway: str, nonce: int, token: str, key: bytes, row: Row) -> None:
+        self.gateway = gateway
+        self.nonce = nonce
+        self.token = token
+        self.key = key
+        self.row = row
+
+
+def sink_id(identity: str, secret: bytes) -> str:
+    """The name under which gateways whose sinks have ``identity`` share a writer:
+    a digest, so that no URL reaches Redis key space (keyed by the secret, if any, so
+    that gateways with different secrets never share)."""
+    key = derive_key(secret, b"sink") if secret else b""
+    return hashlib.blake2b(identity.encode(), digest_size=8, key=key).hexdigest()
+
+
+class Wire:
+    """Encodes and checks the messages of one sink's shared writes."""
+
+    __slots__ = ("_keys", "_limits", "_mac_key", "sink")
+
+    def __init__(self, *, sink: str, secret: bytes, keys: KeySpace, limits: Limits) -> None:
+        self.sink = sink
+        self._mac_key = derive_key(secret, b"messages") if secret else b""
+        self._keys = keys
+        self._limits = limits
+
+    # ------------------------------------------------------------- queued rows
+
+    def row(
+        self, gateway: str, nonce: int, token: str, key: bytes, kind: str, value: str,
+        payload_json: str | None,
+    ) -> bytes:  # fmt: skip
+        """A queued row of claim ``(gateway, nonce)``, held under lease ``token``."""
+        body = orjson.dumps(
+            [FORMAT, self.sink, gateway, nonce, token, key.hex(), kind, value, payload_json]
+        )
+        return self._sign(body)
+
+    def read_row(self, raw: bytes) -> QueuedRow:
+        """The row in ``raw``, checked; :class:`BadMessage` when it cannot be used."""
+        fields = self._open(raw)
+        if len(fields) != 9:
+            raise BadMessage("a queued row has the wrong number of fields")
+        _, _, gateway, nonce, token, key_hex, kind, value, payload = fields
+        if not (isinstance(gateway, str) and _GATEWAY_ID.fullmatch(gateway)):
+            raise BadMessage("a queued row names no gateway")
+        if type(nonce) is not int or nonce < 0:
+            raise BadMessage("a queued row has no nonce")
+        if not (isinstance(token, str) and 0 < len(token) <= _MAX_TOKEN_CHARS):
+            raise BadMessage("a queued row has no lease token")
+        try:
+            key = bytes.fromhex(key_hex)
+        except (TypeError, ValueError):
+            raise BadMessage("a queued row has no key") from None
+        claim = (gateway, nonce, key)
+        try:
+            kind = validate_kind(kind)
+            digest = validate_value(value, self._limits)
+            if payload is not None:
+                if not isinstance(payload, str):
+                    raise InvalidInput("payload is not JSON text", field="payload")
+                payload = encode_payload(orjson.loads(payload), self._limits)
+        except (InvalidInput, orjson.JSONDecodeError) as exc:
+            raise BadMessage(f"a queued row is not a valid save: {exc}", claim) from None
+        if self._keys.key(kind, digest) != key:
+            # Another namespace layout (shards) or a forged key: never write under it.
+            raise BadMessage("a queued row's key is not its value's", claim)
+        return QueuedRow(gateway, nonce, token, key, Row(kind, digest, value, payload))
+
+    # ------------------------------------------------------------- answers
+
+    def answer(self, gateway: str, words: dict[str, list[Any]]) -> bytes:
+        """The writer's word to ``gateway``: per letter of :data:`ANSWERS`, a flat list
+        ``[key_hex, nonce, key_hex, nonce, ...]`` of the claims it answers."""
+        body = orjson.dumps(
+            [FORMAT, self.sink, gateway, *(words.get(letter, ()) for letter in ANSWERS)]
+        )
+        return self._sign(body)
+
+    def read_answer(self, raw: bytes, gateway: str) -> list[tuple[str, bytes, int]]:
+        """The claims an answer to ``gateway`` resolves, as ``(letter, key, nonce)``;
+        :class:`BadMessage` when it cannot be used (then it resolves nothing)."""
+        fields = self._open(raw)
+        if len(fields) != 3 + len(ANSWERS) or fields[2] != gateway:
+            raise BadMessage("an answer is not meant for this gateway")
+        out: list[tuple[str, bytes, int]] = []
+        for letter, flat in zip(ANSWERS, fields[3:], strict=True):
+            if not isinstance(flat, list) or len(flat) % 2:
+                raise BadMessage("an answer's claims are malformed")
+            for i in range(0, len(flat), 2):
+                key_hex, nonce = flat[i], flat[i + 1]
+                if type(nonce) is not int:
+                    raise BadMessage("an answer's claims are malformed")
+                try:
+                    out.append((letter, bytes.fromhex(key_hex), nonce))
+                except (TypeError, ValueError):
+                    raise BadMessage("an answer's claims are malformed") from None
+        return out
+
+    # ------------------------------------------------------------- signatures
+
+    def _sign(self, body: bytes) -> bytes:
+        if not self._mac_key:
+            return b"|" + body
+        mac = hashlib.blake2b(body, digest_size=_MAC_BYTES, key=self._mac_key).hexdigest()
+        return mac.encode() + b"|" + body
+
+    def _open(self, raw: object) -> list[Any]:
+        """The fields of a message for this sink, its signature checked."""
+        if not isinstance(raw, bytes):
+            raise BadMessage("a message is not bytes")
+        mac, sep, body = raw.partition(b"|")
+        if not sep:
+            raise BadMessage("a message has no signature field")
+        if self._mac_key:
+            good = hashlib.blake2b(body, digest_size=_MAC_BYTES, key=self._mac_key).hexdigest()
+            if not hmac.compare_digest(mac, good.encode()):
+                raise BadMessage("a message's signature does not match (shared_secret)")
+        try:
+            fields = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise BadMessage("a message is not JSON") from None
+        if not isinstance(fields, list) or len(fields) < 3:
+            raise BadMessage("a message is not a list of fields")
+        if type(fields[0]) is not int or fields[0] != FORMAT:
+            raise BadMessage(f"a message is not of format {FORMAT}")
+        if fields[1] != self.sink:
+            raise BadMessage("a message is meant for another sink")
+        return fields

@@ -1,0 +1,256 @@
+"""The engine of an open Gateway: its stages, wired together once at open.
+
+A new value goes from the flight table (step 2) to the claim queue; the claim
+stage (step 3) routes it to the write queue, the wait queue or an answer; the
+write stage (steps 4 and 5) writes and commits. Degraded mode takes the claim and
+write queues over while Redis is skipped. Every stage runs once per batch, never
+once per value; only :meth:`FlightTable.join` runs per new value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import Any
+
+from redis.asyncio import Redis
+
+from dedup._engine.backends import Backends
+from dedup._engine.batcher import Batcher
+from dedup._engine.breaker import CircuitBreaker
+from dedup._engine.claim_stage import ClaimStage
+from dedup._engine.degraded import DegradedMode
+from dedup._engine.flights import Flight, FlightTable
+from dedup._engine.local import SavedCache
+from dedup._engine.shared import SharedWrites
+from dedup._engine.shared_wire import Wire, sink_id
+from dedup._engine.wait_queue import WaitQueue
+from dedup._engine.write_stage import WriteStage
+from dedup._redis.connect import per_node, probe_write
+from dedup._values import Limits
+from dedup.errors import ConfigError, DedupError, Unavailable
+from dedup.metrics import Stats
+from dedup.options import GatewayOptions
+from dedup.store import sink_identity
+
+__all__ = ["Engine"]
+
+log = logging.getLogger("dedup")
+
+_CLOSED = "the Gateway was closed before this save finished"
+
+OOM_HEADROOM = 0.9
+"""After ``oom``, the circuit closes only once Redis uses at most this share of maxmemory."""
+
+
+class Engine:
+    """The flight table, the claim and write queues and stages, the wait queue and
+    degraded mode of one open Gateway, and the tasks they run."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        options: GatewayOptions,
+        backends: Backends,
+        local: SavedCache,
+        stats: Stats,
+    ) -> None:
+        assert backends.claims is not None and backends.sink is not None
+        self._loop = loop
+        self._options = options
+        self._backends = backends
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.flights = FlightTable(
+            loop,
+            max_pending=options.max_pending,
+            wait_timeout_s=options.wait_timeout_s,
+            local=local,
+            stats=stats,
+            start=lambda f: None,  # replaced by the claim queue below
+        )
+        self.degraded = DegradedMode(
+            loop,
+            breaker=CircuitBreaker(
+                failures=options.breaker_failures, cooldown_s=options.breaker_cooldown_s
+            ),
+            flights=self.flights,
+            stats=stats,
+            batch_size=options.max_batch,
+            max_statements=options.degraded_max_statements,
+            max_queue=options.degraded_max_queue,
+            queue_timeout_s=options.degraded_queue_timeout_s,
+            probe=self._probe,
+            spawn=self.spawn,
+        )
+        self.claim_queue = Batcher(
+            loop,
+            max_running=options.max_claim_batches,
+            send=self._send_claims,
+            spawn=self.spawn,
+            on_error=self.fail_unfinished,
+            divert=self.degraded.take,
+            size=options.max_batch,
+            min_fill=options.min_fill,
+        )
+        self.write_queue = Batcher(
+            loop,
+            max_running=options.max_write_batches,
+            send=self._send_writes,
+            spawn=self.spawn,
+            on_error=self.fail_unfinished,
+            # Winners too go through the degraded admission: one bound on statements.
+            divert=self.degraded.take,
+            after=self.degraded.schedule_if_queued,
+            size=options.max_batch,
+            min_fill=options.min_fill,
+        )
+        self.flights.start = self.claim_queue.add
+        self.waits = WaitQueue(
+            loop,
+            flights=self.flights,
+            stats=stats,
+            min_backoff_s=options.min_backoff_s,
+            max_backoff_s=options.max_backoff_s,
+            wait_timeout_s=options.wait_timeout_s,
+            requeue=self.claim_queue.extend,
+        )
+        self.claim_stage = ClaimStage(
+            loop,
+            claims=backends.claims,
+            flights=self.flights,
+            stats=stats,
+            degraded=self.degraded,
+            waits=self.waits,
+            writes=self.write_queue,
+        )
+        self.write_stage = WriteStage(
+            loop,
+            claims=backends.claims,
+            sink=backends.sink,
+            flights=self.flights,
+            stats=stats,
+            degraded=self.degraded,
+            claim_queue=self.claim_queue,
+            lease_s=options.lease_s,
+            write_timeout_s=options.write_timeout_s,
+            write_budget_s=options.write_budget_s,
+        )
+        self.degraded.connect(
+            write_alone=self.write_stage.write_alone,
+            on_error=self.fail_unfinished,
+            claims=self.claim_queue,
+            writes=self.write_queue,
+        )
+        self.shared: SharedWrites | None = None
+        identity = sink_identity(backends.sink)
+        if options.shared_mode == "on" and identity is None:
+            raise ConfigError(
+                "shared_writes='on' needs a sink that declares its identity (an `identity` "
+                "attribute naming its database and table): gateways write each other's rows "
+                "only when their sinks write the same table"
+            )
+        if options.shared_mode != "off" and identity is not None:
+            assert isinstance(backends.redis, Redis)
+            self.shared = SharedWrites(
+                loop,
+                mode=options.shared_mode,
+                client=backends.redis,
+                namespace=options.namespace,
+                wire=Wire(
+                    sink=sink_id(identity, options.secret),
+                    secret=options.secret,
+                    keys=backends.keys,
+                    limits=Limits(
+                        max_value_bytes=options.max_value_bytes,
+                        max_payload_bytes=options.max_payload_bytes,
+                    ),
+                ),
+                claims=backends.claims,
+                sink=backends.sink,
+                flights=self.flights,
+                waits=self.waits,
+                requeue=self.claim_queue.extend,
+                write_here=self.write_queue.extend,
+                stats=stats,
+                redis_failed=self.degraded.redis_failed,
+                usable=lambda: not self.degraded.active,
+                spawn=self.spawn,
+                batch_rows=options.max_batch,
+                linger_s=options.shared_linger_ms / 1000,
+                lease_s=options.lease_s,
+                write_timeout_s=options.write_timeout_s,
+                write_budget_s=options.write_budget_s,
+                queue_max=options.shared_queue_max,
+            )
+            self.claim_stage.shared = self.shared
+            self.shared.start()
+        if backends.redis_down_at_open:
+            self.degraded.start_open(backends.redis_down_at_open)
+
+    # Bound methods rather than the stages' own, so the queues can be built first.
+    async def _send_claims(self, batch: list[Flight]) -> None:
+        await self.claim_stage.run(batch)
+
+    async def _send_writes(self, batch: list[Flight]) -> None:
+        await self.write_stage.run(batch)
+
+    async def _probe(self) -> None:
+        """One attempt to use Redis again; raises while it cannot be used."""
+        backends = self._backends
+        if not backends.eviction_checked:
+            try:
+                await backends.check_redis()  # never use a Redis that may evict keys
+            except ConfigError as exc:
+                log.error("Redis is reachable but unsafe, so it stays unused: %s", exc)
+                raise
+            return
+        client = backends.redis
+        assert client is not None
+        # A write, not a PING: a full, read-only or MISCONF Redis answers PING.
+        await asyncio.wait_for(
+            probe_write(client, self._options.namespace), self._options.redis_timeout_s
+        )
+        if self.degraded.reason == "oom":
+            # A tiny probe fits in the last bytes below maxmemory, a claim batch may
+            # not: close only with headroom, or the circuit flaps at the limit.
+            info: Any = await asyncio.wait_for(client.info("memory"), self._options.redis_timeout_s)
+            for node in per_node(info):
+                limit = int(node.get("maxmemory", 0))
+                if limit and int(node.get("used_memory", 0)) > limit * OOM_HEADROOM:
+                    raise Unavailable("Redis is still nearly full", component="redis")
+
+    def spawn(self, coro: Awaitable[None]) -> None:
+        """Run ``coro`` as a task owned by the engine (cancelled at :meth:`stop`)."""
+        task: asyncio.Task[None] = self._loop.create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def fail_unfinished(self, batch: list[Flight], exc: BaseException) -> None:
+        """A batch raised (cancelled at close, or a bug): fail its unanswered values."""
+        if isinstance(exc, asyncio.CancelledError):
+            message = _CLOSED
+        else:
+            log.exception("internal error in a batch", exc_info=exc)
+            message = f"internal error: {exc!r}"
+        queued = {id(f) for f in self.claim_queue.queue}
+        queued.update(id(f) for f in self.write_queue.queue)
+        queued.update(id(f) for f in self.degraded.queue)
+        for f in batch:
+            if not f.done and id(f) not in queued:
+                self.flights.fail(f, lambda: DedupError(message))
+
+    async def stop(self) -> None:
+        """Cancel the engine's tasks and fail every value still in flight."""
+        if self.shared is not None:
+            await self.shared.stop()
+        leftovers = self.waits.clear() + self.degraded.clear()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+        leftovers += self.claim_queue.clear() + self.write_queue.clear() + self.degraded.clear()
+        for flight in leftovers:
+            self.flights.fail(flight, lambda: DedupError(_CLOSED))
+        self.flights.fail_all(lambda: DedupError(_CLOSED))

@@ -1,0 +1,186 @@
+"""Steps 4 and 5 of a save: one statement writes a batch, one script call commits it.
+
+The winners of claim batches go to the sink in ONE statement, keys sorted
+(unsorted concurrent multi-row upserts deadlock). Their callers are answered as
+soon as the rows are committed: ``write`` for the rows this statement inserted,
+``db`` for those already there. Then one commit script call turns the leases into
+"saved" markers. A write never outlives its lease: the statement is bounded by
+``write_timeout_ms``, and a winner with too little lease left renews it first.
+A failed write releases the leases, then fails its callers: nothing is
+acknowledged that is not durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from dedup._claims.protocol import Claims
+from dedup._engine.batcher import Batcher
+from dedup._engine.degraded import DegradedMode
+from dedup._engine.flights import Flight, FlightTable
+from dedup.errors import Unavailable
+from dedup.metrics import Stats
+from dedup.types import BatchWriter, Row
+
+__all__ = ["WriteStage", "write_rows"]
+
+log = logging.getLogger("dedup")
+
+
+async def write_rows(
+    sink: BatchWriter,
+    rows: list[Row],
+    timeout_s: float,
+    abandoned: set[asyncio.Future[Any]] | None = None,
+) -> set[tuple[str, bytes]]:
+    """One sink call, bounded by ``timeout_s`` (:class:`TimeoutError` past it): the keys
+    of the rows it inserted.
+
+    Unlike :func:`asyncio.wait_for`, which waits for the cancelled call to end, a sink
+    that ignores cancellation is left to end on its own: a hung sink must not hold its
+    caller past the bound. ``abandoned`` collects such calls while they still run.
+    """
+    call = asyncio.ensure_future(sink(rows))
+    try:
+        done, _ = await asyncio.wait((call,), timeout=timeout_s)
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+    if not done:
+        call.cancel()
+        call.add_done_callback(_retrieve)
+        if abandoned is not None:
+            abandoned.add(call)
+            call.add_done_callback(abandoned.discard)
+        raise TimeoutError(f"the statement took more than {timeout_s} s")
+    return set(call.result())
+
+
+def _retrieve(call: asyncio.Future[Any]) -> None:
+    """Read an abandoned call's outcome, so that asyncio does not log it as never read."""
+    if not call.cancelled():
+        call.exception()
+
+
+class WriteStage:
+    """Writes batches of winners through the sink and commits their leases."""
+
+    __slots__ = ("_claim_queue", "_claims", "_degraded", "_flights", "_lease_s", "_loop",
+                 "_renew_after_s", "_sink", "_stats", "_write_timeout_s")  # fmt: skip
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        claims: Claims,
+        sink: BatchWriter,
+        flights: FlightTable,
+        stats: Stats,
+        degraded: DegradedMode,
+        claim_queue: Batcher,
+        lease_s: float,
+        write_timeout_s: float,
+        write_budget_s: float,
+    ) -> None:
+        self._loop = loop
+        self._claims = claims
+        self._sink = sink
+        self._flights = flights
+        self._stats = stats
+        self._degraded = degraded
+        self._claim_queue = claim_queue
+        self._lease_s = lease_s
+        self._write_timeout_s = write_timeout_s
+        # A winner writes only if the statement can finish inside its lease with a margin.
+        self._renew_after_s = lease_s - write_budget_s
+
+    async def run(self, batch: list[Flight]) -> None:
+        """Write one batch of winners, answer their callers, then commit their leases."""
+        now = self._loop.time()
+        limit = self._renew_after_s
+        fresh = [f for f in batch if now - f.claimed_at <= limit]
+        if len(fresh) < len(batch):
+            # Too little lease left for a full statement: renew it before writing.
+            stale = [f for f in batch if now - f.claimed_at > limit]
+            self._stats.reclaims += len(stale)
+            self._claim_queue.extend(stale)
+        if not fresh:
+            return
+        keys = [f.key for f in fresh]
+        failure = await self.insert(fresh)
+        if failure is not None:
+            # Release the leases first, so that a caller retrying at once is not
+            # racing our own release.
+            await self._abort(keys)
+            self._fail_write(fresh, failure)
+            return
+        if self._degraded.active:
+            return  # Redis is skipped: the leases expire, the markers are not set
+        try:
+            held = await self._claims.commit(keys)
+            self._stats.lost_leases += len(keys) - held
+        except (RedisError, OSError) as exc:
+            # The rows are committed and the callers answered; a missing marker
+            # only costs the next claimant a redundant (conflicting) insert.
+            self._stats.redis_errors += 1
+            self._degraded.redis_failed(exc)
+            log.warning("could not mark %d saved values in Redis: %s", len(keys), exc)
+        else:
+            self._degraded.success()
+
+    async def write_alone(self, batch: list[Flight]) -> None:
+        """Degraded mode: one statement, and the unique key alone decides ``created``."""
+        failure = await self.insert(batch)
+        if failure is not None:
+            self._fail_write(batch, failure)
+        else:
+            self._stats.degraded_answers += len(batch)
+
+    async def insert(self, batch: list[Flight]) -> str | None:
+        """One key-sorted INSERT of ``batch``; answers its callers ("write" for the rows
+        this statement inserted, "db" for those already there) and returns None, or
+        returns what went wrong and leaves the callers to be failed."""
+        batch.sort(key=_row_order)  # unsorted concurrent multi-row upserts deadlock
+        rows = [Row(f.kind, f.digest, f.value, f.payload_json) for f in batch]
+        stats = self._stats
+        stats.db_statements += 1
+        stats.db_rows_sent += len(rows)
+        try:
+            inserted = await write_rows(self._sink, rows, self._write_timeout_s)
+        except Exception as exc:
+            stats.db_errors += 1
+            return "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc!r}"
+        resolve = self._flights.resolve
+        created = 0
+        for f in batch:
+            if (f.kind, f.digest) in inserted:
+                created += 1
+                resolve(f, "write")
+            else:
+                resolve(f, "db")
+        stats.write += created
+        stats.db += len(batch) - created
+        return None
+
+    def _fail_write(self, batch: list[Flight], failure: str) -> None:
+        message = f"the database write {failure}"
+        for f in batch:
+            self._flights.fail(f, lambda: Unavailable(message, component="database"))
+
+    async def _abort(self, keys: list[bytes]) -> None:
+        if self._degraded.active:
+            return  # Redis is skipped; the leases expire on their own
+        try:
+            await self._claims.abort(keys)
+        except (RedisError, OSError) as exc:
+            self._stats.redis_errors += 1
+            self._degraded.redis_failed(exc)
+            log.warning("could not release %d leases (they expire anyway): %s", len(keys), exc)
+
+
+def _row_order(f: Flight) -> tuple[str, bytes]:
+    return (f.kind, f.digest)

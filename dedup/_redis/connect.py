@@ -1,0 +1,144 @@
+"""Connecting to Redis, one server or a Cluster, and the calls that reach every node.
+
+:func:`connect_redis` builds the client of every URL form dedup takes (with the fast
+argument packing of :mod:`dedup._redis.packing`); the helpers read ``INFO`` from every node,
+unlink a namespace's keys and probe that a server takes writes.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import (
+    ConnectionError,
+    RedisError,
+)
+
+from dedup._redis.packing import fast_packing
+from dedup.errors import ConfigError
+from dedup.urls import CLUSTER_SCHEMES, REDIS_SCHEMES, scrub
+
+__all__ = ["connect_redis", "info_of_every_node", "per_node", "probe_write", "unlink_matching"]
+
+
+_PROBE_PX = 10_000
+
+
+def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis | RedisCluster:
+    """A client for ``url`` (redis://, rediss://, unix:// or redis+cluster://).
+
+    The pool is sized by the caller, which bounds its own concurrent calls below
+    ``max_connections``: redis-py's default pool raises past its size instead of
+    waiting, and auto-pipelining needs only a few connections.
+    """
+    common: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+    }
+    if not url.startswith(REDIS_SCHEMES):
+        raise ConfigError(f"redis_url must start with one of {', '.join(REDIS_SCHEMES)}")
+    # redis-py reads the URL's query arguments as connection options (TLS files, for
+    # example: rediss://host/0?ssl_ca_certs=/path/ca.crt) and only fails on a wrong one
+    # when it first connects, with a TypeError: check them here, with no I/O, so that a
+    # mistake is a ConfigError at once. The messages name options, never their values.
+    try:
+        for scheme in CLUSTER_SCHEMES:
+            if url.startswith(scheme):
+                plain = url.replace("+cluster", "", 1)
+                cluster = RedisCluster.from_url(plain, max_connections=max_connections, **common)
+                # RedisCluster takes no connection class: give its nodes, those known and
+                # those found later (one kwargs dict feeds both), the faster packing too;
+                # a redis-py laid out otherwise keeps its own (slower, same bytes).
+                template = getattr(cluster, "connection_kwargs", None)
+                if isinstance(template, dict) and "connection_class" in template:
+                    fast = fast_packing(template["connection_class"])
+                    template["connection_class"] = fast
+                    for node in cluster.nodes_manager.startup_nodes.values():
+                        node.connection_class = fast
+                return cluster
+        # A pooled connection that died with a restarted server fails on its next use:
+        # retry such errors twice on a fresh connection (every script here is safe to
+        # repeat), but not timeouts, which would multiply the wait on a slow server.
+        retry = Retry(
+            ExponentialBackoff(cap=0.05, base=0.005), 2, supported_errors=(ConnectionError,)
+        )
+        pool = ConnectionPool.from_url(url, max_connections=max_connections, retry=retry, **common)
+        # Batches of thousands of script arguments: pack them faster than redis-py does.
+        pool.connection_class = fast_packing(pool.connection_class)
+        pool.connection_class(**pool.connection_kwargs)  # builds options, opens nothing
+    except (TypeError, ValueError, RedisError) as exc:
+        raise ConfigError(
+            "redis_url has an option redis-py cannot use (ssl_* ones need rediss://; / @ : in "
+            f"a password must be percent-encoded): {scrub(str(exc), url)}"
+        ) from None
+    return Redis.from_pool(pool)  # the client owns the pool and closes it in aclose()
+
+
+def per_node(info: Any) -> list[dict[str, Any]]:
+    """An ``INFO`` answer as one dict per node: a cluster answers per node, a single
+    server with one dict."""
+    if info and isinstance(next(iter(info.values())), dict):
+        return list(info.values())
+    return [info]
+
+
+async def info_of_every_node(client: Redis | RedisCluster, section: str) -> Any:
+    """``INFO section`` of a server, or of EVERY node of a cluster (a node address -> its
+    answer; redis-py asks one node unless told), for :func:`per_node`."""
+    if isinstance(client, RedisCluster):
+        return await client.info(section, target_nodes=RedisCluster.ALL_NODES)
+    return await client.info(section)
+
+
+async def unlink_matching(client: Redis | RedisCluster, pattern: bytes | str) -> int:
+    """UNLINK every key matching ``pattern`` (SCAN, 1,000 at a time; every primary of a
+    cluster); returns how many. For demos, tests and the bench, never the hot path."""
+    nodes: list[Any] = [None]
+    if isinstance(client, RedisCluster):
+        await client.initialize()  # a new client knows no nodes until its first command
+        nodes = list(client.get_primaries())
+    removed = 0
+    for node in nodes:
+        kwargs: dict[str, Any] = {} if node is None else {"target_nodes": node}
+        batch: list[bytes] = []
+        async for key in client.scan_iter(match=pattern, count=1000, **kwargs):
+            batch.append(key)
+            if len(batch) >= 1000:
+                removed += await client.unlink(*batch)
+                batch.clear()
+        if batch:
+            removed += await client.unlink(*batch)
+    return removed
+
+
+async def probe_write(client: Redis | RedisCluster, namespace: str) -> None:
+    """Write a tiny key in ``namespace`` (SET with a 10 s PX, then DEL), on every
+    primary of a cluster; raise what Redis raises if it cannot take a write.
+
+    A PING answers on a full, read-only or MISCONF server: only a write tells
+    whether claims would succeed again (:func:`unwritable_reason` reads the error).
+    """
+    name = f"{namespace}:probe:{secrets.token_hex(6)}"
+    if not isinstance(client, RedisCluster):
+        await client.set(name, "1", px=_PROBE_PX)
+        await client.delete(name)
+        return
+    # One key per primary: a hash tag that lands on each of them.
+    wanted = {node.name for node in client.get_primaries()}
+    probes: list[str] = []
+    for i in range(100_000):
+        if not wanted:
+            break
+        key = f"{name}:{{{i}}}"
+        node = client.get_node_from_key(key)
+        if node is not None and node.name in wanted:
+            wanted.discard(node.name)
+            probes.append(key)
+    for key in probes:
+        await client.set(key, "1", px=_PROBE_PX)
+        await client.delete(key)
