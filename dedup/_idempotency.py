@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import orjson
 
-from dedup._engine import once as _embed
+from dedup._engine.once import Lease, begin
 from dedup._values import validate_kind
 from dedup.errors import DedupError, InvalidInput, WaitTimeout
 
@@ -372,15 +372,15 @@ class Idempotency:
 
     async def claim(
         self, gateway: Gateway, value: str, fingerprint: str | None
-    ) -> _embed.Lease | Response:
+    ) -> Lease | Response:
         """Claim the key: a :class:`~dedup._engine.once.Lease` when this request is to run the
         handler, else the answer (a replay, 422, the ingest repeat, or an error)."""
         wait_s = None if self.in_flight == "wait" else 0.0
         try:
-            claimed = await _embed.begin(gateway, self.kind, value, wait_s=wait_s)
+            claimed = await begin(gateway, self.kind, value, wait_s=wait_s)
         except DedupError as exc:
             return self.error(exc)
-        if isinstance(claimed, _embed.Lease):
+        if isinstance(claimed, Lease):
             return claimed
         return self.answer_saved(claimed.payload, fingerprint)
 
@@ -430,7 +430,7 @@ class Idempotency:
     async def settle(
         self,
         gateway: Gateway,
-        lease: _embed.Lease,
+        lease: Lease,
         status: int | None,
         headers: Iterable[tuple[str, str]],
         body: bytes | None,

@@ -22,7 +22,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from multidict import CIMultiDict
 
-from dedup._engine import once as _embed
+from dedup._engine.once import Lease
 from dedup._idempotency import Idempotency, Options, RequestInfo, Response, call_maybe
 from dedup.errors import InvalidInput
 from dedup.gateway import Gateway
@@ -58,9 +58,7 @@ def middleware(
             return found or None
         return rules.key_from_header(request.headers.get(rules.header))
 
-    async def settle(
-        lease: _embed.Lease, response: web.StreamResponse, fingerprint: str | None
-    ) -> None:
+    async def settle(lease: Lease, response: web.StreamResponse, fingerprint: str | None) -> None:
         body: bytes | None = None
         if isinstance(response, web.Response) and not response.prepared:
             raw = response.body

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Unpack
 
-from dedup._engine import once as _embed
+from dedup._engine.once import Lease
 from dedup._idempotency import (
     Capture,
     Idempotency,
@@ -126,7 +126,7 @@ class DedupMiddleware:
         scope: Scope,
         receive: Receive,
         send: Send,
-        lease: _embed.Lease,
+        lease: Lease,
         fingerprint: str | None,
     ) -> None:
         capture = Capture(self.rules.max_response_bytes)

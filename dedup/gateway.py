@@ -31,9 +31,9 @@ from types import TracebackType
 from typing import Any, get_args
 
 from dedup._claims.keys import KeySpace
-from dedup._engine import once as _embed
 from dedup._engine.backends import Backends
 from dedup._engine.local import SavedCache
+from dedup._engine.once import RunOnceMixin
 from dedup._engine.parts import EngineParts
 from dedup._engine.wiring import Engine
 from dedup._redis.connect import unlink_matching
@@ -52,12 +52,15 @@ _LOCAL = _RESULTS["local"]
 _INFLIGHT = _RESULTS["inflight"]
 
 
-class Gateway:
+class Gateway(RunOnceMixin):
     """Saves each value of a kind exactly once, keeping duplicate traffic off the database.
 
     With no URLs it runs the embedded default: a private redis-server on a unix
     socket and a SQLite file, both under ``data_dir``. Use it as an async context
     manager (or call :meth:`open` and :meth:`aclose`).
+
+    :meth:`once`, :meth:`get` and :meth:`filter` come from
+    :class:`dedup._engine.once.RunOnceMixin`.
 
     Every option is a keyword argument; :class:`dedup.options.GatewayOptions` holds
     their defaults and checks (a bad one raises :class:`~dedup.errors.ConfigError`
@@ -301,10 +304,6 @@ class Gateway:
         if error is not None:
             raise error
         return results
-
-    once = _embed.once
-    get = _embed.get
-    filter = _embed.filter
 
     async def purge(self, kinds: Sequence[str]) -> None:
         """Delete this namespace's Redis keys and the default table's rows of ``kinds``.

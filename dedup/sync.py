@@ -23,7 +23,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from dedup._engine import once as _embed
+from dedup._engine.once import Saved, begin, value_of
 from dedup._values import validate_kind
 from dedup.errors import DedupError, InvalidInput, WaitTimeout
 from dedup.gateway import Gateway
@@ -219,9 +219,9 @@ class SyncGateway:
 
             @functools.wraps(fn)
             def run(*args: _P.args, **kwargs: _P.kwargs) -> Any:
-                value = _embed._value_of(key, args, kwargs)
-                claimed = self._call(_embed.begin(self._gateway, kind, value))
-                if isinstance(claimed, _embed.Saved):
+                value = value_of(key, args, kwargs)
+                claimed = self._call(begin(self._gateway, kind, value))
+                if isinstance(claimed, Saved):
                     return claimed.payload
                 try:
                     result = fn(*args, **kwargs)

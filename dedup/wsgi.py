@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Unpack
 
-from dedup._engine import once as _embed
+from dedup._engine.once import Lease
 from dedup._idempotency import Capture, Idempotency, Options, RequestInfo, Response
 from dedup.errors import DedupError, InvalidInput
 from dedup.sync import SyncGateway
@@ -105,7 +105,7 @@ class DedupMiddleware:
         self,
         environ: WSGIEnvironment,
         start_response: StartResponse,
-        lease: _embed.Lease,
+        lease: Lease,
         fingerprint: str | None,
     ) -> Iterable[bytes]:
         capture = Capture(self.rules.max_response_bytes)

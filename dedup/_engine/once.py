@@ -1,19 +1,21 @@
 """Run-once functions, the saved-payload read path and stream filtering.
 
-Three methods of :class:`dedup.Gateway` live here, written as module-level
-functions whose first parameter is the Gateway (the class binds them):
+Three methods of :class:`dedup.Gateway` live here, in :class:`RunOnceMixin`, which
+the Gateway inherits (as redis-py's command mixins are written: each method's
+``self`` is typed by a Protocol, :class:`RunOnceHost`, naming what it needs):
 
-* :func:`once`: a decorator that runs an ``async def`` function at most once per
-  value across every process sharing the Redis and the database, and stores its
-  JSON return value as the row's payload;
-* :func:`get`: the saved payload of a value (a database read), or None;
-* :func:`filter`: an async iterator over a stream that yields only the items whose
-  save created the row, saving them in batches through ``save_many``.
+* :meth:`RunOnceMixin.once`: a decorator that runs an ``async def`` function at most
+  once per value across every process sharing the Redis and the database, and
+  stores its JSON return value as the row's payload;
+* :meth:`RunOnceMixin.get`: the saved payload of a value (a database read), or None;
+* :meth:`RunOnceMixin.filter`: an async iterator over a stream that yields only the
+  items whose save created the row, saving them in batches through ``save_many``.
 
 The claim/run/commit machinery of ``once`` (:func:`begin` and :class:`Lease`) is
 shared with the blocking facade (:mod:`dedup.sync`) and the ingest middlewares
-(:mod:`dedup.asgi`, :mod:`dedup.aiohttp`). It works through the Gateway's
-:class:`~dedup._engine.parts.EngineParts` and its public methods only.
+(:mod:`dedup.asgi`, :mod:`dedup.aiohttp`, :mod:`dedup.wsgi`). It works through the
+Gateway's :class:`~dedup._engine.parts.EngineParts` and its public methods only, and
+keeps its per-Gateway state (:class:`RunOnceState`) on the Gateway itself.
 
 What "once" means here: the function runs under the value's lease (the same lease
 as a save's, renewed every third of ``lease_ms`` while it runs); only after it
@@ -31,31 +33,30 @@ import functools
 import inspect
 import logging
 import random
-import weakref
 from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 import orjson
 from redis.exceptions import MaxConnectionsError, RedisError
 
 from dedup._values import encode_payload, validate_kind, validate_value
 from dedup.errors import DedupError, InvalidInput, Unavailable, WaitTimeout
-from dedup.types import Item, Row
+from dedup.types import Item, Row, SaveResult
 
 if TYPE_CHECKING:
     from dedup._engine.parts import EngineParts
-    from dedup.gateway import Gateway
     from dedup.store import DefaultSink
 
 __all__ = [
     "Lease",
+    "RunOnceHost",
+    "RunOnceMixin",
+    "RunOnceState",
     "Saved",
     "begin",
-    "filter",
-    "get",
-    "once",
     "run_once",
+    "value_of",
 ]
 
 log = logging.getLogger("dedup")
@@ -136,8 +137,9 @@ class _Batched:
             self._waiting.clear()
 
 
-class _State:
-    """What the run-once machinery keeps per open Gateway of this process.
+class RunOnceState:
+    """What the run-once machinery keeps per open Gateway (held by the Gateway, built
+    on first use, as it needs the open Gateway's claims).
 
     ``running``: the values being run here, each with a future done when the run
     ends. Every call of one Gateway claims under the same token (a re-claim of its
@@ -167,13 +169,27 @@ class _State:
         self.abort = _Batched(abort, gate)
 
 
-_STATES: weakref.WeakKeyDictionary[Gateway, _State] = weakref.WeakKeyDictionary()
+class RunOnceHost(Protocol):
+    """What :class:`RunOnceMixin` and :func:`begin` need of the Gateway they serve.
+
+    ``_run_once_state`` is None until the first claim of an open Gateway builds it.
+    """
+
+    _run_once_state: RunOnceState | None
+
+    def _parts(self) -> EngineParts:
+        """The open Gateway's parts; :class:`DedupError` when it is not open."""
+        ...
+
+    async def save_many(self, items: Iterable[Item]) -> list[SaveResult]:
+        """Save a batch; one result per item, in order."""
+        ...
 
 
-def _state(gw: Gateway, parts: EngineParts) -> _State:
-    state = _STATES.get(gw)
+def _state(gw: RunOnceHost, parts: EngineParts) -> RunOnceState:
+    state = gw._run_once_state
     if state is None:
-        state = _STATES[gw] = _State(parts)
+        state = gw._run_once_state = RunOnceState(parts)
     return state
 
 
@@ -241,7 +257,7 @@ class Lease:
         value: str,
         digest: bytes,
         key: bytes,
-        state: _State,
+        state: RunOnceState,
         done: asyncio.Future[None],
     ) -> None:
         self._parts = parts
@@ -335,7 +351,7 @@ class Lease:
 
 
 async def begin(
-    self: Gateway, kind: str, value: str, *, wait_s: float | None = None
+    gw: RunOnceHost, kind: str, value: str, *, wait_s: float | None = None
 ) -> Saved | Lease:
     """Claim ``value`` of ``kind`` for a run: :class:`Saved` with the stored payload when
     it is saved already (after waiting, bounded by ``wait_s``, default the Gateway's
@@ -347,13 +363,13 @@ async def begin(
     apart), or :class:`DedupError` when the Gateway is not open or has a custom sink.
     """
     kind = validate_kind(kind)
-    parts = self._parts()
+    parts = gw._parts()
     digest = validate_value(value, parts.limits)
     _default_sink(parts)
     if (kind, digest) in parts.local:
         return Saved(_decode((await _fetch(parts, kind, digest))[1]))
     key = parts.keys.key(kind, digest)
-    state = _state(self, parts)
+    state = _state(gw, parts)
     running = state.running
     loop = asyncio.get_running_loop()
     bound_s = parts.wait_timeout_s if wait_s is None else wait_s
@@ -421,10 +437,12 @@ async def begin(
         pause_s = min(pause_s * 2, _MAX_POLL_S)
 
 
-async def run_once(self: Gateway, kind: str, value: str, work: Callable[[], Awaitable[Any]]) -> Any:
+async def run_once(
+    gw: RunOnceHost, kind: str, value: str, work: Callable[[], Awaitable[Any]]
+) -> Any:
     """Run ``work()`` if this caller wins ``value``'s lease and store its result; return
-    the stored payload (decoded JSON) either way. See :func:`once`."""
-    claimed = await begin(self, kind, value)
+    the stored payload (decoded JSON) either way. See :meth:`RunOnceMixin.once`."""
+    claimed = await begin(gw, kind, value)
     if isinstance(claimed, Saved):
         return claimed.payload
     try:
@@ -435,7 +453,9 @@ async def run_once(self: Gateway, kind: str, value: str, work: Callable[[], Awai
     return await claimed.finish(result)
 
 
-def _value_of(key: Callable[..., str] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+def value_of(key: Callable[..., str] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The value a run-once function's call is for: ``key(*args, **kwargs)``, or the first
+    positional argument."""
     if key is not None:
         return key(*args, **kwargs)
     if not args:
@@ -448,103 +468,114 @@ def _value_of(key: Callable[..., str] | None, args: tuple[Any, ...], kwargs: dic
     return value
 
 
-def once(
-    self: Gateway, kind: str, *, key: Callable[..., str] | None = None
-) -> Callable[[Callable[_P, Awaitable[Any]]], Callable[_P, Awaitable[Any]]]:
-    """Decorate an ``async def`` function so that it runs at most once per value of ``kind``
-    across every process that shares this Gateway's Redis and database.
+class RunOnceMixin:
+    """The run-once methods of :class:`dedup.Gateway`: :meth:`once`, :meth:`get` and
+    :meth:`filter`. Each method's ``self`` is a :class:`RunOnceHost`; the run-once
+    state lives on that Gateway, in ``_run_once_state``."""
 
-    The value is the function's first positional argument, or ``key(*args, **kwargs)``.
-    The caller that wins the value's lease runs the function; the lease is renewed
-    while it runs. Its return value (JSON-serialisable) is stored as the row's payload
-    and returned, decoded from JSON (a tuple comes back as a list), so every caller,
-    now or later, in any process, gets the same answer. Other callers wait, at most
-    ``wait_timeout_s``, for the runner's outcome (:class:`WaitTimeout` past it).
+    _run_once_state: RunOnceState | None = None
 
-    If the function raises, its lease is released, nothing is saved, the exception
-    reaches its caller and the next call runs the function again. A runner that dies
-    after the function's side effect but before the commit also leaves the value
-    unsaved: the next call runs it again (see the README on fencing tokens).
+    def once(
+        self: RunOnceHost, kind: str, *, key: Callable[..., str] | None = None
+    ) -> Callable[[Callable[_P, Awaitable[Any]]], Callable[_P, Awaitable[Any]]]:
+        """Decorate an ``async def`` function so that it runs at most once per value of ``kind``
+        across every process that shares this Gateway's Redis and database.
 
-    A value already saved by a plain :meth:`Gateway.save` returns its payload (None
-    when it was saved without one) and the function does not run. While the Gateway
-    is degraded (Redis skipped) calls raise :class:`Unavailable` rather than risk a
-    second run. Needs the default sink (``dedup_items``), where the payloads are read.
-    """
-    validate_kind(kind)
-    if key is not None and not callable(key):
-        raise InvalidInput("key must be a callable mapping the arguments to the value", field="key")
+        The value is the function's first positional argument, or ``key(*args, **kwargs)``.
+        The caller that wins the value's lease runs the function; the lease is renewed
+        while it runs. Its return value (JSON-serialisable) is stored as the row's payload
+        and returned, decoded from JSON (a tuple comes back as a list), so every caller,
+        now or later, in any process, gets the same answer. Other callers wait, at most
+        ``wait_timeout_s``, for the runner's outcome (:class:`WaitTimeout` past it).
 
-    def decorate(fn: Callable[_P, Awaitable[Any]]) -> Callable[_P, Awaitable[Any]]:
-        if not inspect.iscoroutinefunction(fn):
+        If the function raises, its lease is released, nothing is saved, the exception
+        reaches its caller and the next call runs the function again. A runner that dies
+        after the function's side effect but before the commit also leaves the value
+        unsaved: the next call runs it again (see the README on fencing tokens).
+
+        A value already saved by a plain :meth:`Gateway.save` returns its payload (None
+        when it was saved without one) and the function does not run. While the Gateway
+        is degraded (Redis skipped) calls raise :class:`Unavailable` rather than risk a
+        second run. Needs the default sink (``dedup_items``), where the payloads are read.
+        """
+        validate_kind(kind)
+        if key is not None and not callable(key):
             raise InvalidInput(
-                "Gateway.once decorates an async def function (SyncGateway.once takes plain ones)",
-                field="function",
+                "key must be a callable mapping the arguments to the value", field="key"
             )
 
-        @functools.wraps(fn)
-        async def run(*args: _P.args, **kwargs: _P.kwargs) -> Any:
-            value = _value_of(key, args, kwargs)
-            return await run_once(self, kind, value, lambda: fn(*args, **kwargs))
+        def decorate(fn: Callable[_P, Awaitable[Any]]) -> Callable[_P, Awaitable[Any]]:
+            if not inspect.iscoroutinefunction(fn):
+                raise InvalidInput(
+                    "Gateway.once decorates an async def function "
+                    "(SyncGateway.once takes plain ones)",
+                    field="function",
+                )
 
-        return run
+            @functools.wraps(fn)
+            async def run(*args: _P.args, **kwargs: _P.kwargs) -> Any:
+                value = value_of(key, args, kwargs)
+                return await run_once(self, kind, value, lambda: fn(*args, **kwargs))
 
-    return decorate
+            return run
 
+        return decorate
 
-async def get(self: Gateway, kind: str, value: str) -> Any:
-    """The payload saved with ``value`` of ``kind`` (decoded JSON), or None when the value
-    is not saved or was saved without a payload.
+    async def get(self: RunOnceHost, kind: str, value: str) -> Any:
+        """The payload saved with ``value`` of ``kind`` (decoded JSON), or None when the value
+        is not saved or was saved without a payload.
 
-    A read of the default table (``dedup_items``), bounded by the write timeout: it
-    needs the default sink. Raises :class:`InvalidInput` or :class:`Unavailable`.
-    """
-    kind = validate_kind(kind)
-    parts = self._parts()
-    digest = validate_value(value, parts.limits)
-    return _decode((await _fetch(parts, kind, digest))[1])
+        A read of the default table (``dedup_items``), bounded by the write timeout: it
+        needs the default sink. Raises :class:`InvalidInput` or :class:`Unavailable`.
+        """
+        kind = validate_kind(kind)
+        parts = self._parts()
+        digest = validate_value(value, parts.limits)
+        return _decode((await _fetch(parts, kind, digest))[1])
 
+    def filter(
+        self: RunOnceHost,
+        stream: AsyncIterable[_T] | Iterable[_T],
+        kind: str,
+        *,
+        key: Callable[[_T], str] | None = None,
+        payload: Callable[[_T], Any] | None = None,
+        batch_size: int = 256,
+        linger_s: float = 0.005,
+    ) -> AsyncGenerator[_T, None]:
+        """Yield, in order, the items of ``stream`` whose save created the row: each value
+        passes once, however often and from however many processes it arrives.
 
-def filter(
-    self: Gateway,
-    stream: AsyncIterable[_T] | Iterable[_T],
-    kind: str,
-    *,
-    key: Callable[[_T], str] | None = None,
-    payload: Callable[[_T], Any] | None = None,
-    batch_size: int = 256,
-    linger_s: float = 0.005,
-) -> AsyncGenerator[_T, None]:
-    """Yield, in order, the items of ``stream`` whose save created the row: each value
-    passes once, however often and from however many processes it arrives.
-
-    ``stream`` is an async or a plain iterable; ``key(item)`` gives an item's value
-    (default: the item itself, a str) and ``payload(item)`` its payload (default none).
-    Items are saved through :meth:`Gateway.save_many` in batches of up to
-    ``batch_size``, sent when full or ``linger_s`` after their first item arrived (a
-    plain iterable is only looked at between items: a blocking one holds the batch
-    back). A bad item raises :class:`InvalidInput` naming its position in the stream;
-    the items of its unsent batch are not saved. An item is yielded only once its row
-    is committed; errors of ``save_many`` end the iteration.
-    """
-    validate_kind(kind)
-    if isinstance(stream, str | bytes | dict) or not (isinstance(stream, AsyncIterable | Iterable)):
-        raise InvalidInput(
-            f"stream must be an iterable or async iterable of items, not {type(stream).__name__}",
-            field="stream",
-        )
-    for name, fn in (("key", key), ("payload", payload)):
-        if fn is not None and not callable(fn):
-            raise InvalidInput(f"{name} must be a callable on an item", field=name)
-    if type(batch_size) is not int or batch_size < 1:
-        raise InvalidInput("batch_size must be an int >= 1", field="batch_size")
-    if not isinstance(linger_s, int | float) or not 0 <= linger_s < float("inf"):
-        raise InvalidInput("linger_s must be a finite number >= 0", field="linger_s")
-    return _filter(self, stream, kind, key, payload, batch_size, float(linger_s))
+        ``stream`` is an async or a plain iterable; ``key(item)`` gives an item's value
+        (default: the item itself, a str) and ``payload(item)`` its payload (default none).
+        Items are saved through :meth:`Gateway.save_many` in batches of up to
+        ``batch_size``, sent when full or ``linger_s`` after their first item arrived (a
+        plain iterable is only looked at between items: a blocking one holds the batch
+        back). A bad item raises :class:`InvalidInput` naming its position in the stream;
+        the items of its unsent batch are not saved. An item is yielded only once its row
+        is committed; errors of ``save_many`` end the iteration.
+        """
+        validate_kind(kind)
+        if isinstance(stream, str | bytes | dict) or not (
+            isinstance(stream, AsyncIterable | Iterable)
+        ):
+            raise InvalidInput(
+                "stream must be an iterable or async iterable of items, "
+                f"not {type(stream).__name__}",
+                field="stream",
+            )
+        for name, fn in (("key", key), ("payload", payload)):
+            if fn is not None and not callable(fn):
+                raise InvalidInput(f"{name} must be a callable on an item", field=name)
+        if type(batch_size) is not int or batch_size < 1:
+            raise InvalidInput("batch_size must be an int >= 1", field="batch_size")
+        if not isinstance(linger_s, int | float) or not 0 <= linger_s < float("inf"):
+            raise InvalidInput("linger_s must be a finite number >= 0", field="linger_s")
+        return _filter(self, stream, kind, key, payload, batch_size, float(linger_s))
 
 
 async def _filter(
-    self: Gateway,
+    gw: RunOnceHost,
     stream: AsyncIterable[_T] | Iterable[_T],
     kind: str,
     key: Callable[[_T], str] | None,
@@ -552,7 +583,7 @@ async def _filter(
     batch_size: int,
     linger_s: float,
 ) -> AsyncGenerator[_T, None]:
-    limits = self._parts().limits
+    limits = gw._parts().limits
     loop = asyncio.get_running_loop()
     batch: list[_T] = []
     items: list[Item] = []
@@ -575,7 +606,7 @@ async def _filter(
         index += 1
 
     async def flush() -> list[_T]:
-        results = await self.save_many(items)
+        results = await gw.save_many(items)
         created = [item for item, r in zip(batch, results, strict=True) if r.created]
         batch.clear()
         items.clear()

@@ -1,6 +1,6 @@
 """The open Gateway's parts, as one value: what code beside the hot path may use.
 
-The run-once functions, ``get`` and ``filter`` (:mod:`dedup._engine.once`) work on an
+The run-once methods ``once``, ``get`` and ``filter`` (:mod:`dedup._engine.once`) work on an
 open Gateway through this view rather than through its private attributes, so the
 engine's layout can change without them.
 """
