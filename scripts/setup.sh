@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything dedup needs on a fresh Debian/Ubuntu machine with Python 3.11+:
 # redis-server (always), PostgreSQL server binaries (with --tests), and the
-# virtualenv .venv with the package and its extras. Safe to run again: each step
-# is skipped when already done.
+# virtualenv .venv with the package and its extras (with --tests: test and docs). Safe to
+# run again: each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -67,7 +67,7 @@ if [[ $want_tests -eq 1 ]]; then
 fi
 
 stamp=.venv/.dedup-installed
-extras=$([[ $want_tests -eq 1 ]] && echo "test" || echo "")
+extras=$([[ $want_tests -eq 1 ]] && echo "test,docs" || echo "")
 if [[ ! -x .venv/bin/python ]]; then
     say "creating .venv"
     "$PYTHON" -m venv .venv

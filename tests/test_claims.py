@@ -333,7 +333,7 @@ def test_the_variant_follows_the_oldest_node() -> None:
 def test_a_server_older_than_the_floor_is_named() -> None:
     """redis-py (RESP3, its default from 8.0) first sends HELLO, which came in Redis 6.0: a
     Redis 5 answers "unknown command", which redis-py wraps in a ConnectionError. Checked
-    by hand against a Redis 5.0.6 built from source (see the README's failure table)."""
+    by hand against a Redis 5.0.6 built from source (see docs/guarantees.md, "Failure modes")."""
     refused = ResponseError("unknown command `HELLO`, with args beginning with: `3`, ")
     try:
         try:

@@ -166,7 +166,7 @@ async def test_demo_against_real_servers(redis_url: str, pg_url: str) -> None:
 
 
 async def test_demo_keeps_to_its_own_redis_namespace(redis_url: str, pg_url: str) -> None:
-    """README: the demo purges only its own namespace ``dedup-demo``, so it may run
+    """docs/getting-started.md: the demo purges only its own namespace ``dedup-demo``, so it may run
     against a shared Redis without touching the markers of the Gateway's default
     namespace ``dedup`` (or of anything else)."""
     async with Gateway(redis_url, pg_url) as gw:  # the default namespace, "dedup"

@@ -1,4 +1,4 @@
-"""GatewayOptions: the README's option table, the checks, and settings from every source."""
+"""GatewayOptions: the documented option table, the checks, and settings from every source."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from dedup import ConfigError, Gateway
 from dedup.options import GatewayOptions
 from dedup.service.settings import Settings, load_settings
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+# The page whose "Gateway options" section holds the option table.
+CONFIGURATION = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 # Defaults the table states in words rather than as a literal.
 _WORDED = {
@@ -30,9 +31,9 @@ _WORDED = {
 
 
 def _option_table() -> dict[str, str]:
-    """option name -> the default cell of the README's option table."""
-    text = README.read_text()
-    section = text.split("### Options", 1)[1].split("\n### ", 1)[0]
+    """option name -> the default cell of the option table of docs/configuration.md."""
+    text = CONFIGURATION.read_text()
+    section = text.split("\n## Gateway options\n", 1)[1].split("\n## ", 1)[0]
     table: dict[str, str] = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -58,7 +59,7 @@ def _literal(cell: str) -> Any:
         return cell  # a path or a word, as written
 
 
-def test_readme_option_table_matches_the_dataclass() -> None:
+def test_documented_option_table_matches_the_dataclass() -> None:
     table = _option_table()
     assert set(table) == set(GatewayOptions.names())
     for f in fields(GatewayOptions):

@@ -55,11 +55,11 @@ PASSWORD = "pw/" + secrets.token_hex(6) + "@x"
 PASSWORD_IN_URL = quote(PASSWORD, safe="")
 CLI_TIMEOUT_S = 60.0
 
-# The minimal command set dedup needs as an ACL user (README, "Security"): INFO for the
+# The minimal command set dedup needs as an ACL user (docs/security.md): INFO for the
 # eviction guard, EVALSHA / SCRIPT LOAD for the claim scripts and the commands they run,
 # PING for /readyz, on the keys of its namespace only.
 MINIMAL_ACL = tuple(
-    # The README's minimal user, word for word (a test of the documentation too).
+    # The Security page's minimal user, word for word (a test of the documentation too).
     [
         "~dedup:*",
         "&dedup:*",
@@ -265,9 +265,9 @@ async def run_cli(
 # --------------------------------------------------------------------------------- ACL
 
 
-def test_readme_names_the_minimal_acl_user() -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert "ACL SETUSER dedup on >PASSWORD " + " ".join(MINIMAL_ACL) + "\n" in readme
+def test_security_page_names_the_minimal_acl_user() -> None:
+    page = (Path(__file__).resolve().parent.parent / "docs" / "security.md").read_text()
+    assert "ACL SETUSER dedup on >PASSWORD " + " ".join(MINIMAL_ACL) + "\n" in page
 
 
 async def test_redis_acl_user(fresh_redis: RedisServer, pg_url: str) -> None:

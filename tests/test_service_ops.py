@@ -424,7 +424,8 @@ def test_check_reports_what_it_found(redis_url: str, pg_url: str, tmp_path: Path
 
 
 async def test_embedded_default_serves(tmp_path: Path) -> None:
-    """No URLs: a private redis-server and SQLite under --data-dir, as in the README."""
+    """No URLs: a private redis-server and SQLite under --data-dir, as documented
+    (docs/configuration.md, "The embedded default")."""
     env = service_env("", "")
     del env["DEDUP_REDIS_URL"], env["DEDUP_DATABASE_URL"]
     svc = spawn_service(tmp_path, env, args=["--data-dir", str(tmp_path / "data")])
