@@ -17,7 +17,7 @@ saved values claimed again: all answer "saved"); and the Redis CPU time in the s
 Layouts (``dedup.bench.memory.LAYOUTS``): ``compact`` (``hash-max-listpack-entries
 512`` as in config/redis.conf), ``compact-128`` (Redis's own default of 128, where
 buckets that outgrow it turn into hash tables), ``compact-retention`` (a one-day
-retention), ``keys`` (one key per value, the layout before issue 12) and
+retention), ``keys`` (one key per value, the layout before compact markers) and
 ``approximate`` (``bloom`` is accepted too: the Bloom filter sized for ``--values`` at
 ``--fp-rate``, its false-positive rate measured on up to 100,000 new values, claimed
 then aborted).

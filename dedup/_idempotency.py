@@ -232,10 +232,10 @@ class Capture:
 class Idempotency:
     """The validated options of one middleware and the rules it applies.
 
-    The options (shared by the three middlewares; see the README's status table):
+    The options (shared by the three middlewares; see the status table in docs/embedding.md):
 
     - ``kind="request"``: the kind the keys are saved under (one row per key in
-      ``dedup_items``; retention is the Gateway's, see the README).
+      ``dedup_items``; retention is the Gateway's, see docs/embedding.md).
     - ``header="Idempotency-Key"``; ``key`` and ``scope`` are the framework's
       callables, kept here as given.
     - ``mode="replay"``: store and replay responses; ``"ingest"`` only drops repeats

@@ -27,7 +27,7 @@ _TAIL_BYTES = _KIND_DIGEST_BYTES + DIGEST_BYTES  # what follows the head in ever
 
 LAYOUTS = ("compact", "keys")
 """Where "saved" markers live: ``compact`` (fields of hash buckets, the default) or
-``keys`` (one key per value holding ``"1"``, the layout before issue 12)."""
+``keys`` (one key per value holding ``"1"``, the layout before compact markers)."""
 MARKER_BITS = 96
 """Bits of a value's digest that the bucket name and the field of its compact marker
 hold at least: a new value is answered "saved" by mistake with a chance of at most

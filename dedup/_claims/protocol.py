@@ -109,7 +109,7 @@ class Claims:
     * ``layout="compact"`` (default): a field of a hash bucket
       (:class:`dedup._claims.keys.MarkerLayout`, ``marker_buckets`` buckets per generation,
       split over ``cluster_shards`` hash tags, which should match the KeySpace's);
-    * ``layout="keys"``: the lease key becomes ``"1"`` (the layout before issue 12);
+    * ``layout="keys"``: the lease key becomes ``"1"`` (the layout before compact markers);
     * ``approximate=BloomSpec(...)``: a Bloom filter (:mod:`dedup._claims.bloom`), opt-in,
       which answers "saved" for a configured fraction of new values.
 

@@ -8,7 +8,7 @@ A value's lease is always its own key (from :meth:`dedup._claims.keys.KeySpace.k
 absent -> leased (value: the claimant's token, with a PX expiry). Where "saved" is
 recorded depends on the layout:
 
-* ``keys`` (the layout before issue 12; :data:`CLAIM`, :data:`COMMIT`): the lease
+* ``keys`` (the layout before compact markers; :data:`CLAIM`, :data:`COMMIT`): the lease
   key itself becomes ``"1"`` (no expiry unless a retention is set);
 * ``compact`` (the default; :data:`CLAIM_COMPACT`, :data:`COMMIT_COMPACT`): a field of
   a hash bucket (:class:`dedup._claims.keys.MarkerLayout`), and the lease key is deleted;

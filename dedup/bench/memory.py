@@ -18,7 +18,7 @@ Layouts (:data:`LAYOUTS`):
   buckets that outgrow it turn into hash tables;
 * ``compact-retention``: the default layout with a one-day retention (buckets carry
   a generation in their name and an expiry);
-* ``keys``: one key per value holding "1" (the layout before issue 12);
+* ``keys``: one key per value holding "1" (the layout before compact markers);
 * ``approximate``: the Bloom filter sized for the values at ``fp_rate``.
 
 :func:`gateway_memory` measures through the Gateway on the bench's own Redis: one

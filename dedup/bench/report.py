@@ -18,7 +18,7 @@ __all__ = [
     "format_table",
 ]
 
-# Issue 15's targets for dedup on a cluster against one Redis, shown next to the figures.
+# dedup's targets on a cluster against one Redis, shown next to the figures.
 _TARGET_RPS_RATIO = 0.8
 _TARGET_ROUND_TRIPS_RATIO = 2.0
 
@@ -150,7 +150,7 @@ def _fmt(value: float | None, spec: str, width: int) -> str:
 
 
 COLUMNS = (
-    # (heading, width): see the README's "Performance" for what each one means.
+    # (heading, width): see docs/performance.md for what each one means.
     ("workload", 8), ("strategy", 10), ("redis", 8), ("procs", 5), ("callers", 7),
     ("offered", 9), ("req/s", 9), ("p50 ms", 7), ("p99 ms", 8), ("RT/req", 7),
     ("batch/req", 9), ("RT/batch", 8), ("srvRT/req", 9),
@@ -274,7 +274,7 @@ def format_cluster_comparison(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 _LAYOUT_NOTES = {
     "compact": "the default",
-    "keys": "one key per value (the layout before issue 12)",
+    "keys": "one key per value (the layout before compact markers)",
 }
 
 

@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--out", default="bench-results", help="folder of bench.json and the chart")
 
-    serve = sub.add_parser("serve", help="run the HTTP ingest service (see the README)")
+    serve = sub.add_parser("serve", help="run the HTTP ingest service (see docs/service.md)")
     common(serve)
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="TCP port (default 8080)")

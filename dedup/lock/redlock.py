@@ -15,7 +15,7 @@ the TTL does not vote: its acquire script answers "abstain" (see ``ACQUIRE``).
 What Redlock cannot give: a fencing token. Each node's clock and counter are its
 own, so no number read from a majority grows strictly from one grant to the
 next. Use :class:`dedup.lock.Lock` with fences, or the database's unique key,
-where a double write must be impossible (see the README, "Locks").
+where a double write must be impossible (see docs/locks.md).
 
 This module depends only on :mod:`dedup._claims.scripts` and :mod:`dedup.errors`, so that
 :mod:`dedup.lock` can re-export :class:`Redlock` without an import cycle.
