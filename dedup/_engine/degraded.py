@@ -46,8 +46,11 @@ OnError = Callable[[list[Flight], BaseException], None]
 class DegradedMode:
     """The breaker, its probe and the admission queue of one Gateway.
 
-    ``probe`` is one attempt to use Redis again (it raises if Redis cannot serve).
-    Connect the write step and the claim and write queues with :meth:`connect`.
+    ``probe`` is one attempt to use Redis again (it raises if Redis cannot serve);
+    ``write_alone`` is the degraded write step (it answers or fails its callers);
+    ``on_error`` learns a batch whose write step raised; values come from the
+    ``claims`` and ``writes`` queues (whose write batches in flight count against
+    ``max_statements``) and go back to ``claims`` when Redis serves again.
     """
 
     __slots__ = (
@@ -86,6 +89,10 @@ class DegradedMode:
         queue_timeout_s: float,
         probe: Callable[[], Awaitable[None]],
         spawn: Callable[[Awaitable[None]], None],
+        write_alone: WriteAlone,
+        on_error: OnError,
+        claims: Batcher,
+        writes: Batcher,
     ) -> None:
         self._loop = loop
         self.breaker = breaker
@@ -97,6 +104,10 @@ class DegradedMode:
         self._queue_timeout_s = queue_timeout_s
         self._probe_once = probe
         self._spawn = spawn
+        self._write_alone = write_alone
+        self._on_error = on_error
+        self._claims = claims
+        self._writes = writes
         self._probing = False
         self._running = 0
         self._scheduled = False
@@ -104,18 +115,6 @@ class DegradedMode:
         self.queue: list[Flight] = []
         self.reason = ""
         """Why Redis is skipped, one of :data:`REASONS` (empty while the circuit is closed)."""
-        self._write_alone: WriteAlone | None = None
-        self._on_error: OnError | None = None
-        self._claims: Batcher | None = None
-        self._writes: Batcher | None = None
-
-    def connect(
-        self, *, write_alone: WriteAlone, on_error: OnError, claims: Batcher, writes: Batcher
-    ) -> None:
-        """The degraded write step (it answers or fails its callers), the handler of a
-        batch that raised, and the queues values come from and go back to."""
-        self._write_alone, self._on_error = write_alone, on_error
-        self._claims, self._writes = claims, writes
 
     @property
     def active(self) -> bool:
@@ -188,7 +187,6 @@ class DegradedMode:
         log.warning("Redis answers again: circuit closed, normal mode resumes")
         if self.queue:
             self.schedule()  # hands the queue back to the claims
-        assert self._claims is not None
         if self._claims.queue:
             self._claims.schedule()
 
@@ -224,7 +222,6 @@ class DegradedMode:
 
     def _flush(self) -> None:
         """Refuse values queued too long; start statements while under the bound."""
-        assert self._claims is not None and self._writes is not None
         self._scheduled = False
         if self._timer is not None:
             self._timer.cancel()
@@ -258,7 +255,6 @@ class DegradedMode:
 
     async def _run(self, batch: list[Flight]) -> None:
         """One statement for a degraded batch: the unique key alone decides ``created``."""
-        assert self._write_alone is not None and self._on_error is not None
         try:
             await self._write_alone(batch)
         except BaseException as exc:

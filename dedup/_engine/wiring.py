@@ -1,10 +1,12 @@
 """The engine of an open Gateway: its stages, wired together once at open.
 
 A new value goes from the flight table (step 2) to the claim queue; the claim
-stage (step 3) routes it to the write queue, the wait queue or an answer; the
-write stage (steps 4 and 5) writes and commits. Degraded mode takes the claim and
-write queues over while Redis is skipped. Every stage runs once per batch, never
-once per value; only :meth:`FlightTable.join` runs per new value.
+stage (step 3) answers it or says where it goes, and the Engine sends it to the
+write queue, the wait queue, the fleet's writer or degraded mode; the write stage
+(steps 4 and 5) writes and commits. Degraded mode takes the claim and write queues
+over while Redis is skipped. The stages hold no queue downstream of them: they
+return what they decided and the Engine routes it. Every stage runs once per
+batch, never once per value; only :meth:`FlightTable.join` runs per new value.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dedup._engine.local import SavedCache
 from dedup._engine.shared import SharedWrites
 from dedup._engine.shared_wire import Wire, sink_id
 from dedup._engine.wait_queue import WaitQueue
-from dedup._engine.write_stage import WriteStage
+from dedup._engine.write_stage import RowWriter, WriteStage
 from dedup._redis.connect import per_node, probe_write
 from dedup._values import Limits
 from dedup.errors import ConfigError, DedupError, Unavailable
@@ -61,13 +63,55 @@ class Engine:
         self._options = options
         self._backends = backends
         self._tasks: set[asyncio.Task[None]] = set()
+        # Built in dependency order, nothing patched afterwards. The queues come first:
+        # they hold flights and know no stage; what their batches do is the Engine's
+        # route for them (_claim, _write, _divert, _wrote below), which runs a stage
+        # and sends on what the stage returns. Everything that hands values back hands
+        # them to the claim queue, which therefore exists before all of them.
+        self.claim_queue = Batcher(
+            loop,
+            max_running=options.max_claim_batches,
+            send=self._claim,
+            spawn=self.spawn,
+            on_error=self.fail_unfinished,
+            divert=self._divert,
+            size=options.max_batch,
+            min_fill=options.min_fill,
+        )
+        self.write_queue = Batcher(
+            loop,
+            max_running=options.max_write_batches,
+            send=self._write,
+            spawn=self.spawn,
+            on_error=self.fail_unfinished,
+            # Winners too go through the degraded admission: one bound on statements.
+            divert=self._divert,
+            after=self._wrote,
+            size=options.max_batch,
+            min_fill=options.min_fill,
+        )
         self.flights = FlightTable(
             loop,
             max_pending=options.max_pending,
             wait_timeout_s=options.wait_timeout_s,
             local=local,
             stats=stats,
-            start=lambda f: None,  # replaced by the claim queue below
+            start=self.claim_queue.add,
+        )
+        self.waits = WaitQueue(
+            loop,
+            flights=self.flights,
+            stats=stats,
+            min_backoff_s=options.min_backoff_s,
+            max_backoff_s=options.max_backoff_s,
+            wait_timeout_s=options.wait_timeout_s,
+            requeue=self.claim_queue.extend,
+        )
+        rows = RowWriter(
+            sink=backends.sink,
+            flights=self.flights,
+            stats=stats,
+            write_timeout_s=options.write_timeout_s,
         )
         self.degraded = DegradedMode(
             loop,
@@ -82,67 +126,43 @@ class Engine:
             queue_timeout_s=options.degraded_queue_timeout_s,
             probe=self._probe,
             spawn=self.spawn,
-        )
-        self.claim_queue = Batcher(
-            loop,
-            max_running=options.max_claim_batches,
-            send=self._send_claims,
-            spawn=self.spawn,
+            write_alone=rows.write_alone,
             on_error=self.fail_unfinished,
-            divert=self.degraded.take,
-            size=options.max_batch,
-            min_fill=options.min_fill,
+            claims=self.claim_queue,
+            writes=self.write_queue,
         )
-        self.write_queue = Batcher(
+        self.write_stage = WriteStage(
             loop,
-            max_running=options.max_write_batches,
-            send=self._send_writes,
-            spawn=self.spawn,
-            on_error=self.fail_unfinished,
-            # Winners too go through the degraded admission: one bound on statements.
-            divert=self.degraded.take,
-            after=self.degraded.schedule_if_queued,
-            size=options.max_batch,
-            min_fill=options.min_fill,
-        )
-        self.flights.start = self.claim_queue.add
-        self.waits = WaitQueue(
-            loop,
-            flights=self.flights,
+            claims=backends.claims,
+            rows=rows,
             stats=stats,
-            min_backoff_s=options.min_backoff_s,
-            max_backoff_s=options.max_backoff_s,
-            wait_timeout_s=options.wait_timeout_s,
-            requeue=self.claim_queue.extend,
+            degraded=self.degraded,
+            lease_s=options.lease_s,
+            write_budget_s=options.write_budget_s,
         )
+        self.shared = self._shared_writes(loop, options, backends, stats)
         self.claim_stage = ClaimStage(
             loop,
             claims=backends.claims,
             flights=self.flights,
             stats=stats,
             degraded=self.degraded,
-            waits=self.waits,
-            writes=self.write_queue,
+            shared=self.shared,
         )
-        self.write_stage = WriteStage(
-            loop,
-            claims=backends.claims,
-            sink=backends.sink,
-            flights=self.flights,
-            stats=stats,
-            degraded=self.degraded,
-            claim_queue=self.claim_queue,
-            lease_s=options.lease_s,
-            write_timeout_s=options.write_timeout_s,
-            write_budget_s=options.write_budget_s,
-        )
-        self.degraded.connect(
-            write_alone=self.write_stage.write_alone,
-            on_error=self.fail_unfinished,
-            claims=self.claim_queue,
-            writes=self.write_queue,
-        )
-        self.shared: SharedWrites | None = None
+        if self.shared is not None:
+            self.shared.start()
+        if backends.redis_down_at_open:
+            self.degraded.start_open(backends.redis_down_at_open)
+
+    def _shared_writes(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        options: GatewayOptions,
+        backends: Backends,
+        stats: Stats,
+    ) -> SharedWrites | None:
+        """The fleet's write queue, when this Gateway may use it (None otherwise)."""
+        assert backends.claims is not None and backends.sink is not None
         identity = sink_identity(backends.sink)
         if options.shared_mode == "on" and identity is None:
             raise ConfigError(
@@ -150,50 +170,83 @@ class Engine:
                 "attribute naming its database and table): gateways write each other's rows "
                 "only when their sinks write the same table"
             )
-        if options.shared_mode != "off" and identity is not None:
-            assert isinstance(backends.redis, Redis)
-            self.shared = SharedWrites(
-                loop,
-                mode=options.shared_mode,
-                client=backends.redis,
-                namespace=options.namespace,
-                wire=Wire(
-                    sink=sink_id(identity, options.secret),
-                    secret=options.secret,
-                    keys=backends.keys,
-                    limits=Limits(
-                        max_value_bytes=options.max_value_bytes,
-                        max_payload_bytes=options.max_payload_bytes,
-                    ),
+        if options.shared_mode == "off" or identity is None:
+            return None
+        assert isinstance(backends.redis, Redis)
+        degraded = self.degraded
+        return SharedWrites(
+            loop,
+            mode=options.shared_mode,
+            client=backends.redis,
+            namespace=options.namespace,
+            wire=Wire(
+                sink=sink_id(identity, options.secret),
+                secret=options.secret,
+                keys=backends.keys,
+                limits=Limits(
+                    max_value_bytes=options.max_value_bytes,
+                    max_payload_bytes=options.max_payload_bytes,
                 ),
-                claims=backends.claims,
-                sink=backends.sink,
-                flights=self.flights,
-                waits=self.waits,
-                requeue=self.claim_queue.extend,
-                write_here=self.write_queue.extend,
-                stats=stats,
-                redis_failed=self.degraded.redis_failed,
-                usable=lambda: not self.degraded.active,
-                spawn=self.spawn,
-                batch_rows=options.max_batch,
-                linger_s=options.shared_linger_ms / 1000,
-                lease_s=options.lease_s,
-                write_timeout_s=options.write_timeout_s,
-                write_budget_s=options.write_budget_s,
-                queue_max=options.shared_queue_max,
-            )
-            self.claim_stage.shared = self.shared
-            self.shared.start()
-        if backends.redis_down_at_open:
-            self.degraded.start_open(backends.redis_down_at_open)
+            ),
+            claims=backends.claims,
+            sink=backends.sink,
+            flights=self.flights,
+            waits=self.waits,
+            requeue=self.claim_queue.extend,
+            write_here=self.write_queue.extend,
+            stats=stats,
+            redis_failed=degraded.redis_failed,
+            usable=lambda: not degraded.active,
+            spawn=self.spawn,
+            batch_rows=options.max_batch,
+            linger_s=options.shared_linger_ms / 1000,
+            lease_s=options.lease_s,
+            write_timeout_s=options.write_timeout_s,
+            write_budget_s=options.write_budget_s,
+            queue_max=options.shared_queue_max,
+        )
 
-    # Bound methods rather than the stages' own, so the queues can be built first.
-    async def _send_claims(self, batch: list[Flight]) -> None:
-        await self.claim_stage.run(batch)
+    # The routes: each runs once per batch (or per flush), never once per value.
 
-    async def _send_writes(self, batch: list[Flight]) -> None:
-        await self.write_stage.run(batch)
+    async def _claim(self, batch: list[Flight]) -> None:
+        """A claim batch: the claim stage decides, and each value goes where it said."""
+        stage = self.claim_stage
+        if self.shared is not None:
+            batch, busy = await stage.take_back_due(batch)
+            if busy:
+                wait = self.waits.wait
+                for f in busy:
+                    wait(f)
+            if not batch:
+                return
+        claimed = await stage.run(batch)
+        if claimed.won:
+            self.write_queue.extend(claimed.won)
+        if claimed.busy:
+            wait = self.waits.wait
+            for f in claimed.busy:
+                wait(f)
+        if claimed.skipped:
+            self.degraded.take(claimed.skipped)
+        if claimed.queued:
+            self.write_queue.extend(await stage.enqueue(claimed.queued))
+
+    async def _write(self, batch: list[Flight]) -> None:
+        """A write batch: winners short of lease are claimed again (renewing it) at once,
+        the others written."""
+        fresh, stale = self.write_stage.split(batch)
+        if stale:
+            self.claim_queue.extend(stale)
+        if fresh:
+            await self.write_stage.run(fresh)
+
+    def _divert(self, flights: list[Flight]) -> bool:
+        """At a queue's flush: while Redis is skipped, degraded mode takes the whole queue."""
+        return self.degraded.take(flights)
+
+    def _wrote(self) -> None:
+        """A write batch ended: a degraded statement may start in its place."""
+        self.degraded.schedule_if_queued()
 
     async def _probe(self) -> None:
         """One attempt to use Redis again; raises while it cannot be used."""

@@ -19,14 +19,13 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from dedup._claims.protocol import Claims
-from dedup._engine.batcher import Batcher
 from dedup._engine.degraded import DegradedMode
 from dedup._engine.flights import Flight, FlightTable
 from dedup.errors import Unavailable
 from dedup.metrics import Stats
 from dedup.types import BatchWriter, Row
 
-__all__ = ["WriteStage", "write_rows"]
+__all__ = ["RowWriter", "WriteStage", "write_rows"]
 
 log = logging.getLogger("dedup")
 
@@ -66,79 +65,22 @@ def _retrieve(call: asyncio.Future[Any]) -> None:
         call.exception()
 
 
-class WriteStage:
-    """Writes batches of winners through the sink and commits their leases."""
+class RowWriter:
+    """Step 4 alone: one key-sorted statement writes a batch and answers its callers.
 
-    __slots__ = ("_claim_queue", "_claims", "_degraded", "_flights", "_lease_s", "_loop",
-                 "_renew_after_s", "_sink", "_stats", "_write_timeout_s")  # fmt: skip
+    The normal write stage and degraded mode both write through it; it knows nothing
+    of Redis.
+    """
+
+    __slots__ = ("_flights", "_sink", "_stats", "_write_timeout_s")
 
     def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        *,
-        claims: Claims,
-        sink: BatchWriter,
-        flights: FlightTable,
-        stats: Stats,
-        degraded: DegradedMode,
-        claim_queue: Batcher,
-        lease_s: float,
-        write_timeout_s: float,
-        write_budget_s: float,
+        self, *, sink: BatchWriter, flights: FlightTable, stats: Stats, write_timeout_s: float
     ) -> None:
-        self._loop = loop
-        self._claims = claims
         self._sink = sink
         self._flights = flights
         self._stats = stats
-        self._degraded = degraded
-        self._claim_queue = claim_queue
-        self._lease_s = lease_s
         self._write_timeout_s = write_timeout_s
-        # A winner writes only if the statement can finish inside its lease with a margin.
-        self._renew_after_s = lease_s - write_budget_s
-
-    async def run(self, batch: list[Flight]) -> None:
-        """Write one batch of winners, answer their callers, then commit their leases."""
-        now = self._loop.time()
-        limit = self._renew_after_s
-        fresh = [f for f in batch if now - f.claimed_at <= limit]
-        if len(fresh) < len(batch):
-            # Too little lease left for a full statement: renew it before writing.
-            stale = [f for f in batch if now - f.claimed_at > limit]
-            self._stats.reclaims += len(stale)
-            self._claim_queue.extend(stale)
-        if not fresh:
-            return
-        keys = [f.key for f in fresh]
-        failure = await self.insert(fresh)
-        if failure is not None:
-            # Release the leases first, so that a caller retrying at once is not
-            # racing our own release.
-            await self._abort(keys)
-            self._fail_write(fresh, failure)
-            return
-        if self._degraded.active:
-            return  # Redis is skipped: the leases expire, the markers are not set
-        try:
-            held = await self._claims.commit(keys)
-            self._stats.lost_leases += len(keys) - held
-        except (RedisError, OSError) as exc:
-            # The rows are committed and the callers answered; a missing marker
-            # only costs the next claimant a redundant (conflicting) insert.
-            self._stats.redis_errors += 1
-            self._degraded.redis_failed(exc)
-            log.warning("could not mark %d saved values in Redis: %s", len(keys), exc)
-        else:
-            self._degraded.success()
-
-    async def write_alone(self, batch: list[Flight]) -> None:
-        """Degraded mode: one statement, and the unique key alone decides ``created``."""
-        failure = await self.insert(batch)
-        if failure is not None:
-            self._fail_write(batch, failure)
-        else:
-            self._stats.degraded_answers += len(batch)
 
     async def insert(self, batch: list[Flight]) -> str | None:
         """One key-sorted INSERT of ``batch``; answers its callers ("write" for the rows
@@ -166,10 +108,86 @@ class WriteStage:
         stats.db += len(batch) - created
         return None
 
-    def _fail_write(self, batch: list[Flight], failure: str) -> None:
+    async def write_alone(self, batch: list[Flight]) -> None:
+        """Degraded mode: one statement, and the unique key alone decides ``created``."""
+        failure = await self.insert(batch)
+        if failure is not None:
+            self.fail(batch, failure)
+        else:
+            self._stats.degraded_answers += len(batch)
+
+    def fail(self, batch: list[Flight], failure: str) -> None:
+        """Fail the callers of ``batch``: the statement ``failure`` (what :meth:`insert`
+        returned)."""
         message = f"the database write {failure}"
         for f in batch:
             self._flights.fail(f, lambda: Unavailable(message, component="database"))
+
+
+class WriteStage:
+    """Writes batches of winners through a :class:`RowWriter` and commits their leases.
+
+    :meth:`split` first sets apart the winners whose lease is too short for a
+    statement: they are for the caller to claim again (renewing the lease).
+    """
+
+    __slots__ = ("_claims", "_degraded", "_loop", "_renew_after_s", "_rows", "_stats")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        claims: Claims,
+        rows: RowWriter,
+        stats: Stats,
+        degraded: DegradedMode,
+        lease_s: float,
+        write_budget_s: float,
+    ) -> None:
+        self._loop = loop
+        self._claims = claims
+        self._rows = rows
+        self._stats = stats
+        self._degraded = degraded
+        # A winner writes only if the statement can finish inside its lease with a margin.
+        self._renew_after_s = lease_s - write_budget_s
+
+    def split(self, batch: list[Flight]) -> tuple[list[Flight], list[Flight]]:
+        """The winners of ``batch`` with lease enough left for a statement, and those
+        with too little, to be claimed again (renewing the lease) before writing."""
+        now = self._loop.time()
+        limit = self._renew_after_s
+        fresh = [f for f in batch if now - f.claimed_at <= limit]
+        if len(fresh) == len(batch):
+            return fresh, []
+        stale = [f for f in batch if now - f.claimed_at > limit]
+        self._stats.reclaims += len(stale)
+        return fresh, stale
+
+    async def run(self, batch: list[Flight]) -> None:
+        """Write one batch of winners (from :meth:`split`), answer their callers, then
+        commit their leases."""
+        keys = [f.key for f in batch]
+        failure = await self._rows.insert(batch)
+        if failure is not None:
+            # Release the leases first, so that a caller retrying at once is not
+            # racing our own release.
+            await self._abort(keys)
+            self._rows.fail(batch, failure)
+            return
+        if self._degraded.active:
+            return  # Redis is skipped: the leases expire, the markers are not set
+        try:
+            held = await self._claims.commit(keys)
+            self._stats.lost_leases += len(keys) - held
+        except (RedisError, OSError) as exc:
+            # The rows are committed and the callers answered; a missing marker
+            # only costs the next claimant a redundant (conflicting) insert.
+            self._stats.redis_errors += 1
+            self._degraded.redis_failed(exc)
+            log.warning("could not mark %d saved values in Redis: %s", len(keys), exc)
+        else:
+            self._degraded.success()
 
     async def _abort(self, keys: list[bytes]) -> None:
         if self._degraded.active:
