@@ -26,9 +26,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Sequence
 from hashlib import blake2b
-from pathlib import Path
 from types import TracebackType
-from typing import Any, get_args
+from typing import Any, Unpack, get_args
 
 from dedup._claims.keys import KeySpace
 from dedup._engine.backends import Backends
@@ -40,9 +39,9 @@ from dedup._redis.connect import unlink_matching
 from dedup._values import DIGEST_BYTES, Limits, encode_payload, validate_kind, validate_value
 from dedup.errors import ConfigError, DedupError, InvalidInput
 from dedup.metrics import Stats
-from dedup.options import GatewayOptions
+from dedup.options import GatewayOptions, GatewayOptionsKwargs
 from dedup.store import DefaultSink
-from dedup.types import BatchWriter, Item, SaveResult, Source
+from dedup.types import Item, SaveResult, Source
 
 __all__ = ["Gateway"]
 
@@ -64,63 +63,36 @@ class Gateway(RunOnceMixin):
 
     Every option is a keyword argument; :class:`dedup.options.GatewayOptions` holds
     their defaults and checks (a bad one raises :class:`~dedup.errors.ConfigError`
-    here, before any I/O), and the README's option table describes each.
+    here, before any I/O; an unknown name, :class:`TypeError`), and the README's
+    option table describes each.
     """
 
     def __init__(
         self,
         redis_url: str | None = None,
         database_url: str | None = None,
-        *,
-        sink: BatchWriter | None = None,
-        namespace: str = "dedup",
-        lease_ms: int = 5000,
-        wait_timeout_s: float = 10.0,
-        write_timeout_ms: int | None = None,
-        local_cache_size: int = 100_000,
-        max_batch: int = 512,
-        max_claim_batches: int = 4,
-        max_write_batches: int = 4,
-        max_pending: int = 100_000,
-        redis_timeout_s: float = 2.0,
-        retention_s: float | None = None,
-        max_value_bytes: int = 8192,
-        max_payload_bytes: int = 65536,
-        data_dir: str | Path = ".dedup",
-        migrate: bool | None = None,
-        allow_eviction: bool = False,
-        require_redis: bool = False,
-        cluster_shards: int = 0,
-        breaker_failures: int = 3,
-        breaker_cooldown_s: float = 1.0,
-        degraded_max_statements: int = 2,
-        degraded_max_queue: int = 10_000,
-        degraded_queue_timeout_s: float = 1.0,
-        shared_writes: str = "auto",
-        shared_linger_ms: float = 2.0,
-        shared_queue_max: int = 10_000,
-        shared_secret: str | None = None,
-        marker_layout: str = "compact",
-        marker_buckets: int = 65536,
-        marker_generations: int = 2,
-        approximate_values: int = 0,
-        approximate_fp_rate: float = 0.01,
+        **options: Unpack[GatewayOptionsKwargs],
     ) -> None:
+        for name in options:
+            if name not in GatewayOptionsKwargs.__optional_keys__:
+                raise TypeError(f"Gateway() got an unexpected keyword argument {name!r}")
         # Every keyword is an option of the same name: one place checks them all.
-        chosen = {name: value for name, value in locals().items() if name != "self"}
-        self.options = options = GatewayOptions(**chosen)
+        self.options = checked = GatewayOptions(redis_url, database_url, **options)
         """The checked options (:class:`dedup.options.GatewayOptions`)."""
         try:
-            self._keys = KeySpace(namespace, cluster_shards=options.shards, secret=options.secret)
-            self._limits = Limits(
-                max_value_bytes=max_value_bytes, max_payload_bytes=max_payload_bytes
+            self._keys = KeySpace(
+                checked.namespace, cluster_shards=checked.shards, secret=checked.secret
             )
-            self._local = SavedCache(local_cache_size)
+            self._limits = Limits(
+                max_value_bytes=checked.max_value_bytes,
+                max_payload_bytes=checked.max_payload_bytes,
+            )
+            self._local = SavedCache(checked.local_cache_size)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self._stats = Stats()
         self._kinds_ok: set[str] = set()
-        self._backends = Backends(options, self._keys, self._stats)
+        self._backends = Backends(checked, self._keys, self._stats)
         self._engine: Engine | None = None
         self._state = "new"
 
@@ -365,3 +337,8 @@ class Gateway(RunOnceMixin):
         if self._backends.default_sink is None or self._state != "open":
             raise DedupError("this needs an open Gateway with the default sink")
         return self._backends.default_sink
+
+
+# help(Gateway) and inspect.signature list every option with its default, from the
+# one place the defaults are written.
+Gateway.__init__.__signature__ = GatewayOptions.gateway_signature()  # type: ignore[attr-defined]

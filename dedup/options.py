@@ -4,20 +4,31 @@
 line and the service build it too (from :class:`dedup.service.settings.Settings`), so one
 set of checks refuses a bad option everywhere, with :class:`~dedup.errors.ConfigError`,
 before any I/O.
+
+Each default is written once, here: ``Gateway.__init__`` takes the options as
+``**options: Unpack[GatewayOptionsKwargs]`` (names and types, no defaults) and the
+settings of the config file derive theirs from these fields.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from dedup.errors import ConfigError
 from dedup.types import BatchWriter
 from dedup.urls import CLUSTER_SCHEMES, DATABASE_SCHEMES, REDIS_SCHEMES, check_url_password
 
-__all__ = ["CLUSTER_DEFAULT_SHARDS", "MIN_SECRET_CHARS", "SHARED_WRITES", "GatewayOptions"]
+__all__ = [
+    "CLUSTER_DEFAULT_SHARDS",
+    "MIN_SECRET_CHARS",
+    "SHARED_WRITES",
+    "GatewayOptions",
+    "GatewayOptionsKwargs",
+]
 
 SHARED_WRITES = ("auto", "on", "off")
 """Values of ``shared_writes``: across processes while several gateways are alive
@@ -164,6 +175,29 @@ class GatewayOptions:
         """Every option's name, in declaration order."""
         return tuple(f.name for f in fields(cls))
 
+    @classmethod
+    def default(cls, name: str) -> Any:
+        """The default of option ``name`` (KeyError for a name that is not an option)."""
+        for f in fields(cls):
+            if f.name == name and f.default is not MISSING:
+                return f.default
+        raise KeyError(name)
+
+    @classmethod
+    def gateway_signature(cls) -> inspect.Signature:
+        """``Gateway.__init__``'s signature spelled out from these fields, for ``help()``
+        and :func:`inspect.signature`: ``self``, the two URLs (positional or keyword),
+        then every other option as a keyword, each with its default and type."""
+        positional, keyword = (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            inspect.Parameter.KEYWORD_ONLY,
+        )
+        params = [inspect.Parameter("self", positional)]
+        for f in fields(cls):
+            kind = positional if f.name in _POSITIONAL else keyword
+            params.append(inspect.Parameter(f.name, kind, default=f.default, annotation=f.type))
+        return inspect.Signature(params, return_annotation="None")
+
     # ------------------------------------------------------------- derived values
 
     @property
@@ -254,6 +288,53 @@ class GatewayOptions:
     def migrate_at_open(self) -> bool:
         """Whether the schema is applied at open: ``migrate``, or only for embedded SQLite."""
         return self.embedded_database if self.migrate is None else self.migrate
+
+
+_POSITIONAL = ("redis_url", "database_url")
+"""The options ``Gateway`` also takes by position; every other one is a keyword."""
+
+
+class GatewayOptionsKwargs(TypedDict, total=False):
+    """The keyword options of :class:`dedup.Gateway`: every field of :class:`GatewayOptions`
+    but the two URLs, with its type (``**options: Unpack[GatewayOptionsKwargs]``).
+
+    Names and types only: the defaults are :class:`GatewayOptions`' (a test keeps the
+    two in step).
+    """
+
+    sink: BatchWriter | None
+    namespace: str
+    lease_ms: int
+    wait_timeout_s: float
+    write_timeout_ms: int | None
+    local_cache_size: int
+    max_batch: int
+    max_claim_batches: int
+    max_write_batches: int
+    max_pending: int
+    redis_timeout_s: float
+    retention_s: float | None
+    max_value_bytes: int
+    max_payload_bytes: int
+    data_dir: str | Path
+    migrate: bool | None
+    allow_eviction: bool
+    require_redis: bool
+    cluster_shards: int
+    breaker_failures: int
+    breaker_cooldown_s: float
+    degraded_max_statements: int
+    degraded_max_queue: int
+    degraded_queue_timeout_s: float
+    shared_writes: str
+    shared_linger_ms: float
+    shared_queue_max: int
+    shared_secret: str | None
+    marker_layout: str
+    marker_buckets: int
+    marker_generations: int
+    approximate_values: int
+    approximate_fp_rate: float
 
 
 def _url(name: str, url: Any, schemes: tuple[str, ...]) -> None:

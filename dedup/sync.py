@@ -21,7 +21,7 @@ import os
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, Unpack
 
 from dedup._engine.once import Saved, begin, value_of
 from dedup._values import validate_kind
@@ -29,6 +29,7 @@ from dedup.errors import DedupError, InvalidInput, WaitTimeout
 from dedup.gateway import Gateway
 from dedup.loop import new_loop
 from dedup.metrics import Stats
+from dedup.options import GatewayOptionsKwargs
 from dedup.types import Item, SaveResult
 
 __all__ = ["SyncGateway"]
@@ -60,7 +61,7 @@ class SyncGateway:
         database_url: str | None = None,
         *,
         call_timeout_s: float | None = None,
-        **options: Any,
+        **options: Unpack[GatewayOptionsKwargs],
     ) -> None:
         if call_timeout_s is not None and not call_timeout_s > 0:
             raise InvalidInput("call_timeout_s must be > 0", field="call_timeout_s")

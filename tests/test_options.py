@@ -6,14 +6,14 @@ import math
 import re
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dedup import ConfigError, Gateway
-from dedup.options import GatewayOptions
+from dedup.options import GatewayOptions, GatewayOptionsKwargs
 from dedup.service.settings import Settings, load_settings
 
 # The page whose "Gateway options" section holds the option table.
@@ -73,10 +73,22 @@ def test_documented_option_table_matches_the_dataclass() -> None:
 def test_gateway_keywords_are_the_options() -> None:
     import inspect
 
+    # The signature help() shows is spelled out from GatewayOptions, defaults included.
     params = inspect.signature(Gateway).parameters
     assert list(params) == list(GatewayOptions.names())
     for name, param in params.items():
         assert param.default == getattr(GatewayOptions(), name), name
+    # The keywords' TypedDict names every option but the two URLs, with the same type.
+    hints = get_type_hints(GatewayOptionsKwargs)
+    option_types = get_type_hints(GatewayOptions)
+    assert list(hints) == list(GatewayOptions.names())[2:]
+    assert {**hints, "redis_url": str | None, "database_url": str | None} == option_types
+    assert GatewayOptionsKwargs.__optional_keys__ == frozenset(hints)
+
+
+def test_gateway_refuses_an_unknown_keyword() -> None:
+    with pytest.raises(TypeError, match="Gateway\\(\\) got an unexpected keyword argument 'lease'"):
+        Gateway(lease=5000)  # type: ignore[call-arg]
 
 
 def test_derived_values() -> None:
@@ -172,6 +184,13 @@ def test_settings_cover_every_option() -> None:
     names = {f.name for f in fields(Settings)}
     assert names == set(GatewayOptions.names()) - {"sink"}
     assert Settings().options() == GatewayOptions()
+    # The settings' defaults are the options', None spelled as the file spells it.
+    defaults = {name: GatewayOptions.default(name) for name in names}
+    assert Settings().gateway_kwargs() == defaults
+    spelled = {"redis_url": "", "write_timeout_ms": 0, "retention_s": 0.0, "migrate": "auto"}
+    for name, word in spelled.items():
+        assert defaults[name] is None and getattr(Settings(), name) == word
+    assert Settings(migrate="true").options().migrate is True
     custom = Settings(write_timeout_ms=700, migrate="false", retention_s=5.0, require_redis=True)
     options = custom.options()
     assert options.write_timeout_ms == 700 and options.migrate is False
