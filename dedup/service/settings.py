@@ -41,51 +41,83 @@ ENV_PREFIX = "DEDUP_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+# A TOML file has no null: the settings spell an option's None thus, here only.
+# ``migrate`` also spells True and False, as words.
+_NONE_AS: dict[str, Any] = {
+    "redis_url": "",  # the embedded default
+    "database_url": "",  # the embedded SQLite file
+    "write_timeout_ms": 0,  # half the lease
+    "retention_s": 0.0,  # markers are kept
+    "shared_secret": "",  # no secret
+    "migrate": "auto",  # only the embedded SQLite
+}
+_MIGRATE: dict[str, bool | None] = {"auto": None, "true": True, "false": False}
+
+
+def _default(name: str) -> Any:
+    """The setting's default: the option's, in the settings' spelling."""
+    value = GatewayOptions.default(name)
+    if name == "migrate":
+        return next(word for word, flag in _MIGRATE.items() if flag is value)
+    if value is None:
+        return _NONE_AS[name]
+    return str(value) if isinstance(value, Path) else value
+
+
+def _option(name: str, value: Any) -> Any:
+    """The option a setting spells (the inverse of :func:`_default`'s spelling)."""
+    if name == "migrate":
+        return _MIGRATE[value]
+    if name in _NONE_AS and value == _NONE_AS[name]:
+        return None
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
     """Every setting of the ``[gateway]`` table of ``config/dedup.toml``, with its default.
 
     One per option of :class:`dedup.options.GatewayOptions` (but ``sink``, which is
-    code): an empty URL means "embedded default", ``write_timeout_ms = 0`` means half
-    the lease, ``retention_s = 0`` means markers are kept, and ``migrate`` is
-    ``auto`` (only the embedded SQLite), ``true`` or ``false``. :meth:`options`
-    checks them all (:class:`dedup.ConfigError`).
+    code), with that option's default: an empty URL means "embedded default",
+    ``write_timeout_ms = 0`` means half the lease, ``retention_s = 0`` means markers
+    are kept, and ``migrate`` is ``auto`` (only the embedded SQLite), ``true`` or
+    ``false``. :meth:`options` checks them all (:class:`dedup.ConfigError`).
     """
 
-    redis_url: str = ""
-    database_url: str = ""
-    data_dir: str = ".dedup"
-    namespace: str = "dedup"
-    lease_ms: int = 5000
-    wait_timeout_s: float = 10.0
-    write_timeout_ms: int = 0
-    local_cache_size: int = 100_000
-    max_batch: int = 512
-    max_claim_batches: int = 4
-    max_write_batches: int = 4
-    max_pending: int = 100_000
-    redis_timeout_s: float = 2.0
-    retention_s: float = 0.0
-    max_value_bytes: int = 8192
-    max_payload_bytes: int = 65536
-    migrate: str = "auto"
-    allow_eviction: bool = False
-    require_redis: bool = False
-    cluster_shards: int = 0
-    breaker_failures: int = 3
-    breaker_cooldown_s: float = 1.0
-    degraded_max_statements: int = 2
-    degraded_max_queue: int = 10_000
-    degraded_queue_timeout_s: float = 1.0
-    shared_writes: str = "auto"
-    shared_linger_ms: float = 2.0
-    shared_queue_max: int = 10_000
-    shared_secret: str = field(default="", repr=False)
-    marker_layout: str = "compact"
-    marker_buckets: int = 65536
-    marker_generations: int = 2
-    approximate_values: int = 0
-    approximate_fp_rate: float = 0.01
+    redis_url: str = _default("redis_url")
+    database_url: str = _default("database_url")
+    data_dir: str = _default("data_dir")
+    namespace: str = _default("namespace")
+    lease_ms: int = _default("lease_ms")
+    wait_timeout_s: float = _default("wait_timeout_s")
+    write_timeout_ms: int = _default("write_timeout_ms")
+    local_cache_size: int = _default("local_cache_size")
+    max_batch: int = _default("max_batch")
+    max_claim_batches: int = _default("max_claim_batches")
+    max_write_batches: int = _default("max_write_batches")
+    max_pending: int = _default("max_pending")
+    redis_timeout_s: float = _default("redis_timeout_s")
+    retention_s: float = _default("retention_s")
+    max_value_bytes: int = _default("max_value_bytes")
+    max_payload_bytes: int = _default("max_payload_bytes")
+    migrate: str = _default("migrate")
+    allow_eviction: bool = _default("allow_eviction")
+    require_redis: bool = _default("require_redis")
+    cluster_shards: int = _default("cluster_shards")
+    breaker_failures: int = _default("breaker_failures")
+    breaker_cooldown_s: float = _default("breaker_cooldown_s")
+    degraded_max_statements: int = _default("degraded_max_statements")
+    degraded_max_queue: int = _default("degraded_max_queue")
+    degraded_queue_timeout_s: float = _default("degraded_queue_timeout_s")
+    shared_writes: str = _default("shared_writes")
+    shared_linger_ms: float = _default("shared_linger_ms")
+    shared_queue_max: int = _default("shared_queue_max")
+    shared_secret: str = field(default=_default("shared_secret"), repr=False)
+    marker_layout: str = _default("marker_layout")
+    marker_buckets: int = _default("marker_buckets")
+    marker_generations: int = _default("marker_generations")
+    approximate_values: int = _default("approximate_values")
+    approximate_fp_rate: float = _default("approximate_fp_rate")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -99,21 +131,11 @@ class Settings:
 
     def gateway_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :class:`dedup.Gateway`."""
-        kwargs = dataclasses.asdict(self)
-        kwargs["redis_url"] = self.redis_url or None
-        kwargs["database_url"] = self.database_url or None
-        kwargs["retention_s"] = self.retention_s or None
-        kwargs["write_timeout_ms"] = self.write_timeout_ms or None
-        kwargs["shared_secret"] = self.shared_secret or None
-        kwargs["migrate"] = _MIGRATE[self.migrate]
-        return kwargs
+        return {name: _option(name, value) for name, value in dataclasses.asdict(self).items()}
 
     def options(self) -> GatewayOptions:
         """The Gateway's options, checked (:class:`dedup.ConfigError`), with no I/O."""
         return GatewayOptions(**self.gateway_kwargs())
-
-
-_MIGRATE: dict[str, bool | None] = {"auto": None, "true": True, "false": False}
 
 
 @dataclass(frozen=True)
