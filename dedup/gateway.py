@@ -63,8 +63,8 @@ class Gateway(RunOnceMixin):
 
     Every option is a keyword argument; :class:`dedup.options.GatewayOptions` holds
     their defaults and checks (a bad one raises :class:`~dedup.errors.ConfigError`
-    here, before any I/O; an unknown name, :class:`TypeError`), and the README's
-    option table describes each.
+    here, before any I/O; an unknown name, :class:`TypeError`), and the option
+    table of the Configuration page (``docs/configuration.md``) describes each.
     """
 
     def __init__(

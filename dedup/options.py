@@ -60,7 +60,7 @@ _POSITIVE = ("wait_timeout_s", "redis_timeout_s", "breaker_cooldown_s", "degrade
 class GatewayOptions:
     """Every option of :class:`dedup.Gateway`, with its default; checked on construction.
 
-    The README's option table lists the same names and defaults (a test keeps them
+    The Configuration page's option table lists the same names and defaults (a test keeps them
     in step). Derived values (the write budget, the minimum batch fill, the backoff
     bounds, connection counts) are properties, computed from these in one place.
     """

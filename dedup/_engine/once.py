@@ -491,7 +491,7 @@ class RunOnceMixin:
         If the function raises, its lease is released, nothing is saved, the exception
         reaches its caller and the next call runs the function again. A runner that dies
         after the function's side effect but before the commit also leaves the value
-        unsaved: the next call runs it again (see the README on fencing tokens).
+        unsaved: the next call runs it again (see docs/locks.md on fencing tokens).
 
         A value already saved by a plain :meth:`Gateway.save` returns its payload (None
         when it was saved without one) and the function does not run. While the Gateway
