@@ -238,7 +238,7 @@ async def test_postgres_upgrade(pg_empty_url: str) -> None:
 
 
 def test_migrations_are_package_data() -> None:
-    migrations = importlib.resources.files("dedup") / "migrations"
+    migrations = importlib.resources.files("dedup.store") / "migrations"
     assert (migrations / "env.py").is_file()
     assert (migrations / "script.py.mako").is_file()
     assert (migrations / "versions" / "0001_create_dedup_items.py").is_file()
