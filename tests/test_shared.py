@@ -600,9 +600,12 @@ async def test_hot_key_queued_behind_a_slow_writer_keeps_its_lease(
     key renews its lease while its row waits, so the other gateway never claims it; the
     row is written (by the writer, or by its claimant once the caller's deadline nears).
     No caller gets WaitTimeout."""
-    lease_s = 1.0
-    options: dict[str, Any] = {**SHARED, "lease_ms": 1000, "wait_timeout_s": 4 * lease_s}
-    slow = _slow_sink(pg_url, 0.3)  # inside the 0.5 s statement bound: alive, slow
+    # A 2 s lease: the three gateways share this test's event loop, and a stall of a
+    # loaded CI box past a 1 s lease's renewals ended the writer's term (one run in
+    # many), after which the claimant rightly took its row back at once.
+    lease_s = 2.0
+    options: dict[str, Any] = {**SHARED, "lease_ms": 2000, "wait_timeout_s": 4 * lease_s}
+    slow = _slow_sink(pg_url, 0.3)  # inside the 1 s statement bound: alive, slow
     ledger = Ledger()
     try:
         async with Gateway(redis_url, sink=slow, max_batch=8, **options) as writer:
@@ -612,7 +615,7 @@ async def test_hot_key_queued_behind_a_slow_writer_keeps_its_lease(
                 Gateway(redis_url, pg_url, **options) as b,
             ):
                 await until("listening", lambda: _shared(a).active and _shared(b).active)
-                backlog = [("email", f"backlog{i}") for i in range(400)]  # ~7 s of statements
+                backlog = [("email", f"backlog{i}") for i in range(400)]  # ~15 s of statements
                 first = asyncio.create_task(a.save_many(backlog))
                 await until("a backlog", lambda: a.stats().shared_rows_queued >= 400)
                 hot = ("email", "hot@example.com")
