@@ -31,8 +31,9 @@ class Stats:
     writer, also counted in ``db_statements``), ``shared_rows_returned`` (queued rows
     it took back and wrote itself: no word in time, or the writer answered "write it
     yourself"), ``shared_queue_full`` (rows it wrote itself because the queue was at
-    ``shared_queue_max``) and ``shared_bad_messages`` (queued rows and answers it
-    skipped as malformed, forged or meant for another sink).
+    ``shared_queue_max``), ``shared_bad_messages`` (queued rows, answers and saved-values
+    messages it skipped as malformed, forged or meant for another sink) and
+    ``shared_learned`` (values its local tier learned from the fleet's writer).
     """
 
     local: int = 0
@@ -59,6 +60,7 @@ class Stats:
     shared_rows_returned: int = 0
     shared_queue_full: int = 0
     shared_bad_messages: int = 0
+    shared_learned: int = 0
 
     @property
     def answers(self) -> int:

@@ -95,6 +95,7 @@ class GatewayOptions:
     shared_linger_ms: float = 2.0
     shared_queue_max: int = 10_000
     shared_secret: str | None = field(default=None, repr=False)
+    shared_learn: bool = True
     marker_layout: str = "compact"
     marker_buckets: int = 65536
     marker_generations: int = 2
@@ -115,7 +116,7 @@ class GatewayOptions:
         for name in ("migrate",):
             if getattr(self, name) not in (None, True, False):
                 raise ConfigError(f"{name} must be True, False or None")
-        for name in ("allow_eviction", "require_redis"):
+        for name in ("allow_eviction", "require_redis", "shared_learn"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False")
         _whole(self, "lease_ms", 100)
@@ -330,6 +331,7 @@ class GatewayOptionsKwargs(TypedDict, total=False):
     shared_linger_ms: float
     shared_queue_max: int
     shared_secret: str | None
+    shared_learn: bool
     marker_layout: str
     marker_buckets: int
     marker_generations: int

@@ -755,3 +755,81 @@ async def test_survivor_of_a_killed_writer_drains_within_a_lease(
     assert answered < lease_s + 2.0, f"answered {answered:.1f} s after the kill"
     assert took_over < lease_s + 2.0
     assert left == 0
+
+
+async def test_every_gateway_learns_what_the_writer_saved(
+    spawn: Callable[[dict[str, Any]], Child], redis_url: str, pg_url: str, tmp_path: Path
+) -> None:
+    """A value saved through another process is answered by this process's local tier,
+    with no Redis call: the fleet's writer broadcasts each statement's saved values on
+    one channel and every gateway's local tier learns them."""
+    values = [f"learn{i}@example.com" for i in range(300)]
+    child = spawn(
+        {
+            "mode": "save",
+            "redis_url": redis_url,
+            "database_url": pg_url,
+            "items": [["email", v] for v in values],
+            "concurrency": 16,
+            "out": str(tmp_path / "child.jsonl"),
+            "name": "saver",
+            "options": SHARED,
+        }
+    )
+    assert child.read_line() == "READY"
+    async with Gateway(redis_url, pg_url, **SHARED) as gw:
+        await until("listening", lambda: _shared(gw).active)
+        child.send("go\n")
+        while not child.read_line().startswith("{"):  # the child's stats, then DONE
+            pass
+        # Bounded: learning follows each statement's commit by one PUBLISH.
+        await until("every value learned", lambda: gw.stats().shared_learned >= len(values))
+        before = gw.stats()
+        results = await gw.save_many([("email", v) for v in values])
+        after = gw.stats()
+    assert [r.source for r in results] == ["local"] * len(values)
+    assert not any(r.created for r in results)
+    assert after.redis_round_trips == before.redis_round_trips  # no claim, no Redis call
+    assert after.local - before.local == len(values)
+    assert len(await table(pg_url)) == len(values)  # learned only what has a row
+
+
+async def test_learning_can_be_turned_off_and_forged_broadcasts_teach_nothing(
+    redis_url: str, pg_url: str
+) -> None:
+    """``shared_learn=False``: a gateway learns only its own values. With
+    ``shared_secret``, a saved-values message from a client without the secret is
+    counted and skipped, so nobody can make a gateway answer "saved" for a value
+    with no row."""
+    secret: dict[str, Any] = {"shared_secret": "a-secret-of-16-chars-or-more"}
+    async with (
+        Gateway(redis_url, pg_url, **SHARED, **secret) as learner,
+        Gateway(redis_url, pg_url, **SHARED, **secret, shared_learn=False) as deaf,
+    ):
+        await until("listening", lambda: _shared(learner).active and _shared(deaf).active)
+        saved = [("email", f"mine{i}") for i in range(50)]
+        await learner.save_many(saved)
+        await until("learned", lambda: learner.stats().shared_learned >= len(saved))
+        assert deaf.stats().shared_learned == 0
+        # A forged message: the right channel and format, a wrong signature.
+        shared = _shared(learner)
+        forger = Wire(
+            sink=shared._wire.sink,
+            secret=b"not-the-secret-at-all",
+            keys=learner._keys,
+            limits=learner._limits,
+        )
+        fake = Row("email", digest("never-saved"), "never-saved", None)
+        client = Redis.from_url(redis_url)
+        try:
+            bad_before = learner.stats().shared_bad_messages
+            learned_before = learner.stats().shared_learned
+            assert await client.publish(shared._saved_channel, forger.saved([fake])) >= 1
+            await until(
+                "the forgery counted", lambda: learner.stats().shared_bad_messages > bad_before
+            )
+        finally:
+            await client.aclose()
+        assert learner.stats().shared_learned == learned_before
+        r = await learner.save("email", "never-saved")
+        assert r.created and r.source == "write"  # not answered "saved" by the forgery

@@ -52,6 +52,7 @@ from redis.exceptions import RedisError
 
 from dedup._claims.protocol import Claims
 from dedup._engine.flights import Flight, FlightTable
+from dedup._engine.local import SavedCache
 from dedup._engine.shared_scripts import (
     ENQUEUE,
     HEARTBEAT,
@@ -62,13 +63,13 @@ from dedup._engine.shared_scripts import (
     TAKE_BACK,
     UNHOLD,
 )
-from dedup._engine.shared_wire import BadMessage, QueuedRow, Wire
+from dedup._engine.shared_wire import SAVED, BadMessage, QueuedRow, Wire
 from dedup._engine.wait_queue import WaitQueue
 from dedup._engine.write_stage import write_rows
 from dedup._redis.script import Script
 from dedup.lock import Lock
 from dedup.metrics import Stats
-from dedup.types import BatchWriter
+from dedup.types import BatchWriter, Row
 
 __all__ = ["SharedWrites"]
 
@@ -143,6 +144,7 @@ class SharedWrites:
         write_timeout_s: float,
         write_budget_s: float,
         queue_max: int,
+        learn: SavedCache | None,
     ) -> None:
         self._loop = loop
         self._mode = mode
@@ -177,6 +179,8 @@ class SharedWrites:
         self._heartbeat_ttl_ms = max(3500, int(self._writer_lease_s * 2000))
         self._queue_ttl_ms = max(1000, int(lease_s * 2000))
         self._queue_max = queue_max
+        # The local tier that learns what the writer saved for the whole fleet (None: off).
+        self._learn = learn
         self._write_timeout_s = write_timeout_s
         self._write_budget_s = write_budget_s
         prefix = f"{namespace}:{{w}}:{wire.sink}:"  # one hash tag: every shared key in one slot
@@ -187,6 +191,7 @@ class SharedWrites:
         self._channels = prefix + "done:"
         self.gateway_id = secrets.token_hex(8)
         self._channel = self._channels + self.gateway_id
+        self._saved_channel = self._channels + SAVED
         self._nonces = itertools.count(1)
         # Rows this gateway queued and still waits for, by key: the flight, its nonce and
         # the writer's term when it was queued (the writer that should pop it).
@@ -411,6 +416,24 @@ class SharedWrites:
         if back:
             self._spawn(self._take_back_soon(back))
 
+    def _learn_saved(self, message: bytes) -> None:
+        """The values some writer of this sink saved: the local tier learns them, so that
+        this process answers them without a claim from now on."""
+        local = self._learn
+        if local is None:
+            return
+        try:
+            groups = self._wire.read_saved(message)
+        except BadMessage as exc:
+            self._bad(str(exc))
+            return
+        learned = 0
+        for kind, digests in groups:
+            for digest in digests:
+                local.add(kind, digest)
+            learned += len(digests)
+        self._stats.shared_learned += learned
+
     async def _listen(self) -> None:
         """Receive the writer's words on this gateway's channel; resubscribe after errors."""
         while not self._stopping:
@@ -419,11 +442,19 @@ class SharedWrites:
                 continue
             pubsub = self._client.pubsub()
             try:
-                await pubsub.subscribe(self._channel)
+                channels = [self._channel]
+                if self._learn is not None:
+                    channels.append(self._saved_channel)
+                await pubsub.subscribe(*channels)
                 self._listening = True
+                saved = self._saved_channel.encode()
                 while self._usable():
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
-                    if message is not None and message["type"] == "message":
+                    if message is None or message["type"] != "message":
+                        continue
+                    if message["channel"] == saved:
+                        self._learn_saved(message["data"])
+                    else:
                         self._answer(message["data"])
             except (RedisError, OSError) as exc:
                 self._listening = False
@@ -697,8 +728,9 @@ class SharedWrites:
         for q in entries:
             letter = "i" if (q.row.kind, q.row.digest) in inserted else "e"
             word(q.gateway, letter, q.nonce, q.key)
-        # Callers are answered once the rows are committed; the markers follow.
-        await self._publish(words)
+        # Callers are answered once the rows are committed (and every gateway's local
+        # tier learns the values, in the same round trip); the markers follow.
+        await self._publish(words, [q.row for q in entries])
         try:
             await self._claims.commit([q.key for q in entries])
         except (RedisError, OSError) as exc:
@@ -706,12 +738,19 @@ class SharedWrites:
             self._redis_failed(exc)
             log.warning("could not mark %d saved values in Redis: %s", len(entries), exc)
 
-    async def _publish(self, words: dict[str, dict[str, list[Any]]]) -> None:
-        if not words:
+    async def _publish(
+        self, words: dict[str, dict[str, list[Any]]], saved: list[Row] | None = None
+    ) -> None:
+        """Each claimant's word on its channel and, when rows were committed, their values
+        on the sink's one saved-values channel (sent whether or not this gateway learns:
+        the others may), in one round trip."""
+        if not words and not saved:
             return
         prefix, answer = self._channels, self._wire.answer
         async with self._client.pipeline(transaction=False) as pipe:
             for gw, word in words.items():
                 pipe.publish(prefix + gw, answer(gw, word))
+            if saved:
+                pipe.publish(self._saved_channel, self._wire.saved(saved))
             await pipe.execute()
         self._stats.redis_round_trips += 1

@@ -10,6 +10,11 @@ BLAKE2b, a MAC), so a client without the secret can neither insert rows nor
 acknowledge saves.
 
 A message is ``<mac>|<JSON>``; the mac is empty without a secret.
+
+Three kinds of message: a queued row (claimant to writer, on the queue), an answer
+(writer to one claimant, on its channel) and the saved values of a written statement
+(writer to every gateway of the sink, on one channel), from which every gateway's local
+tier learns: a value saved through one process is then a local answer everywhere.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dedup._values import Limits, encode_payload, validate_kind, validate_value
 from dedup.errors import InvalidInput
 from dedup.types import Row
 
-__all__ = ["FORMAT", "BadMessage", "QueuedRow", "Wire", "sink_id"]
+__all__ = ["FORMAT", "SAVED", "BadMessage", "QueuedRow", "Wire", "sink_id"]
 
 FORMAT = 1
 """The version of queued rows and answers; a gateway reads only its own version."""
@@ -35,7 +40,12 @@ ANSWERS = ("i", "e", "r")
 """The writer's word per row: ``i`` inserted by its statement, ``e`` the row existed,
 ``r`` not written by the writer (failed, stepped down, lease gone): write it yourself."""
 
+SAVED = "saved"
+"""The addressee of a saved-values message: every gateway of the sink (never a gateway id,
+which is 16 hex digits)."""
+
 _GATEWAY_ID = re.compile(r"[0-9a-f]{16}")
+_DIGEST_HEX = 32
 _MAX_TOKEN_CHARS = 64
 _MAC_BYTES = 16
 
@@ -153,6 +163,44 @@ class Wire:
                     out.append((letter, bytes.fromhex(key_hex), nonce))
                 except (TypeError, ValueError):
                     raise BadMessage("an answer's claims are malformed") from None
+        return out
+
+    # ------------------------------------------------------------- saved values
+
+    def saved(self, rows: list[Row]) -> bytes:
+        """The values whose rows ``rows`` are committed, for every gateway's local tier:
+        per kind, the digests (no value, no payload) as one hex string."""
+        by_kind: dict[str, list[str]] = {}
+        for row in rows:
+            by_kind.setdefault(row.kind, []).append(row.digest.hex())
+        flat: list[str] = []
+        for kind, digests in by_kind.items():
+            flat += (kind, "".join(digests))
+        return self._sign(orjson.dumps([FORMAT, self.sink, SAVED, flat]))
+
+    def read_saved(self, raw: bytes) -> list[tuple[str, list[bytes]]]:
+        """The ``(kind, digests)`` of a saved-values message, checked; :class:`BadMessage`
+        when it cannot be used (then nothing of it is learned)."""
+        fields = self._open(raw)
+        if len(fields) != 4 or fields[2] != SAVED or not isinstance(fields[3], list):
+            raise BadMessage("a saved-values message is malformed")
+        flat = fields[3]
+        if len(flat) % 2:
+            raise BadMessage("a saved-values message is malformed")
+        out: list[tuple[str, list[bytes]]] = []
+        for i in range(0, len(flat), 2):
+            kind, digests = flat[i], flat[i + 1]
+            if not isinstance(digests, str) or len(digests) % _DIGEST_HEX:
+                raise BadMessage("a saved-values message has malformed digests")
+            try:
+                kind = validate_kind(kind)
+                raw_digests = bytes.fromhex(digests)
+            except (InvalidInput, ValueError):
+                raise BadMessage("a saved-values message is malformed") from None
+            step = _DIGEST_HEX // 2
+            out.append(
+                (kind, [raw_digests[j : j + step] for j in range(0, len(raw_digests), step)])
+            )
         return out
 
     # ------------------------------------------------------------- signatures

@@ -140,7 +140,7 @@ class Engine:
             lease_s=options.lease_s,
             write_budget_s=options.write_budget_s,
         )
-        self.shared = self._shared_writes(loop, options, backends, stats)
+        self.shared = self._shared_writes(loop, options, backends, local, stats)
         self.claim_stage = ClaimStage(
             loop,
             claims=backends.claims,
@@ -159,6 +159,7 @@ class Engine:
         loop: asyncio.AbstractEventLoop,
         options: GatewayOptions,
         backends: Backends,
+        local: SavedCache,
         stats: Stats,
     ) -> SharedWrites | None:
         """The fleet's write queue, when this Gateway may use it (None otherwise)."""
@@ -204,6 +205,7 @@ class Engine:
             write_timeout_s=options.write_timeout_s,
             write_budget_s=options.write_budget_s,
             queue_max=options.shared_queue_max,
+            learn=local if options.shared_learn else None,
         )
 
     # The routes: each runs once per batch (or per flush), never once per value.

@@ -113,6 +113,7 @@ class Settings:
     shared_linger_ms: float = _default("shared_linger_ms")
     shared_queue_max: int = _default("shared_queue_max")
     shared_secret: str = field(default=_default("shared_secret"), repr=False)
+    shared_learn: bool = _default("shared_learn")
     marker_layout: str = _default("marker_layout")
     marker_buckets: int = _default("marker_buckets")
     marker_generations: int = _default("marker_generations")
