@@ -337,6 +337,7 @@ def run_processes(
         "redis_server_calls_by_node": by_node,
         "db_server_xacts": max(xacts, 0),
         "gateway_cpu_s": sum(r["gateway_cpu_s"] for r in results),
+        "local_share": [r["local_share"] for r in results],
         "redis_cpu_s": _minus(redis1, redis0),
         "pg_cpu_s": _minus(pg1, pg0),
     }

@@ -156,7 +156,7 @@ COLUMNS = (
     ("batch/req", 9), ("RT/batch", 8), ("srvRT/req", 9),
     ("stmt/uniq", 9), ("xact/uniq", 9), ("rows/uniq", 9), ("xact/s", 7),
     ("cpu us/req", 10), ("cpu us/uniq", 11), ("redis cpu", 9), ("pg cpu", 7),
-    ("x(a)", 5), ("x(c)", 5),
+    ("x(a)", 5), ("x(c)", 5), ("local %", 9),
 )  # fmt: skip
 
 
@@ -212,6 +212,7 @@ def format_table(report: dict[str, Any]) -> str:
             _fmt(r["pg_cpu_s"], ".2f", 7),
             _fmt(None if textbook is None else r["rps"] / textbook, ".1f", 5),
             _fmt(None if db_only is None else r["rps"] / db_only, ".2f", 5),
+            f"{_local_share(r):>9}",
         ]
         lines.append(" ".join(cells) + f"  {'PASS' if r['passed'] else 'FAIL'}")
     comparison = report.get("cluster", {}).get("comparison")
@@ -226,6 +227,20 @@ def format_table(report: dict[str, Any]) -> str:
     if layouts:
         lines += ["", *format_layouts(layouts)]
     return "\n".join(lines)
+
+
+def _local_share(r: dict[str, Any]) -> str:
+    """The share of requests the local tier answered: the process's, or the lowest and
+    highest of the processes' ("-" for strategies without one)."""
+    shares = r.get("local_share") or []
+    if not any(shares):
+        return "-"
+    low, high = min(shares), max(shares)
+    return (
+        f"{100 * low:.0f}"
+        if round(100 * low) == round(100 * high)
+        else (f"{100 * low:.0f}-{100 * high:.0f}")
+    )
 
 
 def format_cluster_comparison(rows: Sequence[dict[str, Any]]) -> list[str]:

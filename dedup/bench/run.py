@@ -217,6 +217,8 @@ class RunResult:
     gateway_cpu_s: float  # user + system CPU of the gateway processes during the run
     redis_cpu_s: float | None  # of redis-server, when the bench started it
     pg_cpu_s: float | None  # of the postmaster and all its backends, when the bench started it
+    # Per process, the share of its requests its local tier answered (dedup; 0 otherwise).
+    local_share: list[float] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -384,6 +384,7 @@ async def run_one(
             seconds, created, errors = await _open_loop(save, values, rate, concurrency, latencies)
         cpu = _own_cpu_s() - cpu0
         c.batches = c.redis  # one command at a time, each awaited before the next
+        local = 0  # answered by this process's local tier (dedup only)
         if gw is not None:
             # Counted after the close: until then this process may still be the fleet's
             # shared writer, writing rows of processes that are not finished yet.
@@ -396,6 +397,7 @@ async def run_one(
                 stats.db_statements,
                 stats.db_rows_sent,
             )
+            local = stats.local
         return {
             "seconds": seconds,
             **percentiles(latencies),
@@ -406,6 +408,7 @@ async def run_one(
             "created": created,
             "errors": errors,
             "gateway_cpu_s": cpu,
+            "local_share": local / max(len(values), 1),
             "latencies": latencies,
         }
     finally:
