@@ -46,7 +46,15 @@ from dedup._claims.scripts import (
     COMMIT_COMPACT,
 )
 from dedup._redis.connect import info_of_every_node
-from dedup._redis.script import VARIANTS, Script, ScriptVariant, cross_slot, render
+from dedup._redis.script import (
+    VARIANTS,
+    Script,
+    ScriptCall,
+    ScriptVariant,
+    cross_slot,
+    render,
+    run_together,
+)
 from dedup._redis.server import script_variant
 from dedup.errors import ConfigError
 from dedup.metrics import Stats
@@ -244,6 +252,26 @@ class Claims:
             script = scripts.claim_compact if self._bloom is None else scripts.claim_bloom
             results = await self._run(script, keys, lambda ks: self._claim_call(ks, reads))
         return "".join(r.decode() if isinstance(r, bytes) else r for r in results)
+
+    async def claim_then(self, keys: Sequence[bytes], then: ScriptCall) -> tuple[str, Any]:
+        """:meth:`claim`, and ``then`` right after it in the same round trip (one Redis
+        server only): the letters and ``then``'s result. Shared writes queue the rows of
+        the values just won this way, a round trip per claim batch fewer."""
+        assert not self._cluster, "one round trip for two scripts needs one Redis server"
+        assert isinstance(self._client, Redis)
+        if not keys:
+            return "", None
+        scripts = await self._variant_scripts()
+        if self.layout == "keys":
+            claim: ScriptCall = (scripts.claim, keys, (self._token, self._lease))
+        else:
+            reads, _ = self.generations()
+            script = scripts.claim_compact if self._bloom is None else scripts.claim_bloom
+            claim = (script, *self._claim_call(keys, reads))
+        self._stats.redis_batches += 1
+        (letters, result), trips = await run_together(self._client, [claim, then])
+        self._stats.redis_round_trips += trips
+        return (letters.decode() if isinstance(letters, bytes) else letters), result
 
     async def commit(self, keys: Sequence[bytes]) -> int:
         """Mark ``keys`` saved; returns how many still held this token's lease."""

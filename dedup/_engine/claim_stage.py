@@ -12,6 +12,7 @@ where the database decides: the claim may or may not have run.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -27,22 +28,15 @@ __all__ = ["ClaimStage", "Claimed"]
 
 class Claimed:
     """What one claim batch decided, for its caller to route (values found saved are
-    answered already): ``won`` to the write queue, ``busy`` to the wait queue,
-    ``queued`` to the fleet's writer (:meth:`ClaimStage.enqueue`), ``skipped`` (the
-    whole batch, Redis failing) to degraded mode."""
+    answered already, values queued for the fleet's writer wait for its word): ``won``
+    to the write queue, ``busy`` to the wait queue, ``skipped`` (the whole batch, Redis
+    failing) to degraded mode."""
 
-    __slots__ = ("busy", "queued", "skipped", "won")
+    __slots__ = ("busy", "skipped", "won")
 
-    def __init__(
-        self,
-        won: list[Flight],
-        busy: list[Flight],
-        queued: list[Flight],
-        skipped: list[Flight],
-    ) -> None:
+    def __init__(self, won: list[Flight], busy: list[Flight], skipped: list[Flight]) -> None:
         self.won = won
         self.busy = busy
-        self.queued = queued
         self.skipped = skipped
 
 
@@ -97,56 +91,55 @@ class ClaimStage:
 
     async def run(self, batch: list[Flight]) -> Claimed:
         """Claim ``batch`` in one script call; answer the values found saved and return
-        where the others go."""
+        where the others go. With shared writes, the rows of the values it wins are
+        queued for the fleet's writer by a second script in the same round trip; those
+        wait for the writer's word and are in no list of the result."""
         started = self._loop.time()
+        owner = self._shared
+        shared = owner if owner is not None and owner.active else None
+        # A value whose row went to the writer once and whose lease was lost meanwhile
+        # is not queued again: won again, it is written here.
+        prepared = None if shared is None else shared.prepare([f for f in batch if not f.shared])
+        keys = [f.key for f in batch]
+        reply: Any = None
         try:
-            letters = await self._claims.claim([f.key for f in batch])
+            if prepared is None:
+                letters = await self._claims.claim(keys)
+            else:
+                letters, reply = await self._claims.claim_then(keys, prepared.call)
         except (RedisError, OSError) as exc:
+            if shared is not None and prepared is not None:
+                shared.unprepare(prepared)  # never known to be queued: decided below
             self._stats.redis_errors += 1
             if self._degraded.redis_failed(exc):
                 # The claim may or may not have run; either way the database decides.
-                return Claimed([], [], [], batch)
+                return Claimed([], [], batch)
             message = f"Redis failed a claim: {exc!r}"
             for f in batch:
                 self._flights.fail(f, lambda: Unavailable(message, component="redis"))
-            return Claimed([], [], [], [])
+            return Claimed([], [], [])
         self._degraded.success()
         self._stats.claim_batches += 1
+        queued: set[bytes] = set()
+        if shared is not None and prepared is not None:
+            won_keys = {key for key, letter in zip(keys, letters, strict=True) if letter == "W"}
+            queued = shared.settle(prepared, reply, won_keys)
         resolve = self._flights.resolve
-        owner = self._shared
-        shared = owner if owner is not None and owner.active else None
         won: list[Flight] = []
         busy: list[Flight] = []
-        queued: list[Flight] = []
         saved = 0
         for f, letter in zip(batch, letters, strict=True):
             if letter == "W":
                 f.claimed_at = started
-                if f.shared:
-                    # Its row went to the fleet's writer once and the lease was lost
-                    # meanwhile: won again, it is written here.
-                    won.append(f)
-                elif shared is not None:
+                if shared is not None:
                     f.shared = True
-                    queued.append(f)
-                else:
-                    won.append(f)
+                if f.done or f.key in queued:
+                    continue  # its row waits for the writer (whose word may be in already)
+                won.append(f)
             elif letter == "S":
                 saved += 1
                 resolve(f, "redis")
             else:
                 busy.append(f)
         self._stats.redis += saved
-        return Claimed(won, busy, queued, [])
-
-    async def enqueue(self, queued: list[Flight]) -> list[Flight]:
-        """Queue the rows of ``queued`` (from :meth:`run`) for the fleet's writer; return
-        those to write here instead."""
-        assert self._shared is not None
-        try:
-            return await self._shared.enqueue(queued)
-        except (RedisError, OSError) as exc:
-            # The leases are ours either way: write these here, or degraded.
-            self._stats.redis_errors += 1
-            self._degraded.redis_failed(exc)
-            return queued
+        return Claimed(won, busy, [])

@@ -44,7 +44,7 @@ import contextlib
 import itertools
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Container
 from typing import Any
 
 from redis.asyncio import Redis
@@ -66,12 +66,12 @@ from dedup._engine.shared_scripts import (
 from dedup._engine.shared_wire import SAVED, BadMessage, QueuedRow, Wire
 from dedup._engine.wait_queue import WaitQueue
 from dedup._engine.write_stage import write_rows
-from dedup._redis.script import Script
+from dedup._redis.script import Script, ScriptCall
 from dedup.lock import Lock
 from dedup.metrics import Stats
 from dedup.types import BatchWriter, Row
 
-__all__ = ["SharedWrites"]
+__all__ = ["Enqueue", "SharedWrites"]
 
 log = logging.getLogger("dedup")
 
@@ -108,6 +108,17 @@ class _Queued:
         self.gone = False  # its lease was found gone once: the writer's word may be on its way
 
 
+class Enqueue:
+    """The rows of one claim batch prepared for the writer's queue: their waits and the
+    script call that queues them (see :meth:`SharedWrites.prepare`)."""
+
+    __slots__ = ("call", "entries")
+
+    def __init__(self, entries: list[_Queued], call: ScriptCall) -> None:
+        self.entries = entries
+        self.call = call
+
+
 _ENDED = b""
 """The term of a row held by a writer whose term ended: never the current one."""
 
@@ -116,8 +127,9 @@ class SharedWrites:
     """The shared write queue of one Gateway: its writer candidate, heartbeat and listener.
 
     ``mode`` is ``"auto"``, ``"on"`` or ``"off"``; ``sink`` names the sink's
-    identity digest (:func:`dedup._engine.shared_wire.sink_id`). ``enqueue`` queues the
-    rows of won flights; :attr:`active` says whether claims should use it now.
+    identity digest (:func:`dedup._engine.shared_wire.sink_id`). :meth:`prepare`
+    and :meth:`settle` queue the rows of the values a claim wins, in the claim's round
+    trip; :attr:`active` says whether claims should use it now.
     """
 
     def __init__(
@@ -240,10 +252,16 @@ class SharedWrites:
 
     # ------------------------------------------------------------- claimant side
 
-    async def enqueue(self, won: list[Flight]) -> list[Flight]:
-        """Queue the rows of ``won`` (leases held) for the writer, then wait for its word;
-        returns those to write here instead (too close to their deadline, the queue is
-        full, or the lease is no longer ours).
+    def prepare(self, claiming: list[Flight]) -> Enqueue | None:
+        """The rows of ``claiming`` to queue for the writer, as a script call to send right
+        behind the claim that takes their leases, in the same round trip: the script
+        queues the row of each value whose lease the claim just won (None: nothing to
+        queue). Values too close to their deadline to wait for the writer are left out:
+        if won, they are written here.
+
+        Every row of it is waited for from now on (the writer may pop, write and answer
+        a row before the reply is read here, and its word must find the claim); call
+        :meth:`settle` with the reply, or :meth:`unprepare` if the call failed.
 
         A queued row's lease holds its queued token, renewed while the row waits. The
         writer that pops it swaps in its term before writing (so nobody else takes
@@ -252,64 +270,73 @@ class SharedWrites:
         before a writer holds it, or when its caller's ``wait_timeout_s`` leaves just
         enough time to write it. Either the writer or this gateway writes it, never both.
         """
-        now = self._loop.time()
-        budget = self._write_budget_s
-        here: list[Flight] = []
-        queued: list[Flight] = []
-        for f in won:
-            # Queue only a row whose caller can still wait for the writer a while and
-            # then, with no word, have it written here before its deadline.
-            (queued if f.deadline - budget > now + _IDLE_S else here).append(f)
+        # Queue only a row whose caller can still wait for the writer a while and then,
+        # with no word, have it written here before its deadline.
+        soon = self._loop.time() - self._write_budget_s + _IDLE_S
+        queued = [f for f in claiming if f.deadline > soon]
         if not queued:
-            return here
+            return None
         gw, token, row = self.gateway_id, self._claims.token, self._wire.row
         nonces = [next(self._nonces) for _ in queued]
         tokens = [f"{token}#{n}" for n in nonces]
         args: list[Any] = [self._queue_max, self._queue_ttl_ms, token, self._lease_ms]
         for f, n, t in zip(queued, nonces, tokens, strict=True):
             args += (t, row(gw, n, t, f.key, f.kind, f.value, f.payload_json))
-        # Waited for from now on: the writer may pop, write and answer a row before
-        # the script's reply is read here, and its word must find the claim.
         pending = self._pending
         entries = [_Queued(f, n, t, None) for f, n, t in zip(queued, nonces, tokens, strict=True)]
         for e in entries:
             pending[e.flight.key] = e
-
-        def forget(e: _Queued) -> bool:  # False if the writer's word came first
-            if pending.get(e.flight.key) is not e:
-                return False
-            del pending[e.flight.key]
-            return not e.flight.done
-
         # The rows carry values in clear: none outlives its use. A row older than a
         # lease is written by its claimant anyway, so the queue of a fleet that died
         # vanishes two leases after its last push.
-        try:
-            (added, term, flags), trips = await _ENQUEUE(
-                self._client, [self._queue_key, self._term_key, *(f.key for f in queued)], args
-            )
-        except BaseException:
-            for e in entries:  # never queued: the caller writes them
-                forget(e)
-            raise
-        self._stats.redis_round_trips += trips
-        if not added:  # past the cap: the writer is behind, write these here
-            self._stats.shared_queue_full += len(queued)
-            return here + [e.flight for e in entries if forget(e)]
+        call: ScriptCall = (
+            _ENQUEUE,
+            [self._queue_key, self._term_key, *(f.key for f in queued)],
+            args,
+        )
+        return Enqueue(entries, call)
+
+    def unprepare(self, batch: Enqueue) -> None:
+        """The queueing call failed: its rows are not waited for (the caller decides)."""
+        for e in batch.entries:
+            self._forget(e)
+
+    def settle(self, batch: Enqueue, reply: Any, won: Container[bytes]) -> set[bytes]:
+        """The queueing call's ``reply``: the keys whose rows are now queued and wait for
+        the writer's word. The others (past the queue's cap, or a lease that is not this
+        claim's: the value was saved or busy, or the lease was lost meanwhile) are not
+        waited for: the claim's answer decides them. ``won`` are the keys the claim won,
+        for the count of rows written here because the queue was full."""
+        added, term, flags = reply
+        entries = batch.entries
+        if not added:  # past the cap: the writer is behind, the claimant writes these
+            for e in entries:
+                self._forget(e)
+            self._stats.shared_queue_full += sum(e.flight.key in won for e in entries)
+            return set()
         term = term or None
         flags = flags.decode() if isinstance(flags, bytes) else str(flags)
-        recheck = self._waits.recheck_at
+        pending, recheck, budget = self._pending, self._waits.recheck_at, self._write_budget_s
+        queued: set[bytes] = set()
         for e, flag in zip(entries, flags, strict=True):
-            if flag != "1":  # the lease slipped away meanwhile: the write stage decides
-                if forget(e):
-                    here.append(e.flight)
+            if flag != "1":
+                self._forget(e)
                 continue
             self._stats.shared_rows_queued += 1
             if pending.get(e.flight.key) is e:  # no word yet
                 e.term = term
+                queued.add(e.flight.key)
                 # With no word by then (a lost answer), it is taken back in time.
                 recheck(e.flight, e.flight.deadline - budget)
-        return here
+        return queued
+
+    def _forget(self, e: _Queued) -> bool:
+        """Stop waiting for ``e``'s word; False if the writer's word came first."""
+        pending = self._pending
+        if pending.get(e.flight.key) is not e:
+            return False
+        del pending[e.flight.key]
+        return not e.flight.done
 
     def waiting(self, f: Flight) -> bool:
         """Whether ``f``'s row is queued and this gateway still waits for its word."""

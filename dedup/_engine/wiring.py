@@ -230,8 +230,6 @@ class Engine:
                 wait(f)
         if claimed.skipped:
             self.degraded.take(claimed.skipped)
-        if claimed.queued:
-            self.write_queue.extend(await stage.enqueue(claimed.queued))
 
     async def _write(self, batch: list[Flight]) -> None:
         """A write batch: winners short of lease are claimed again (renewing it) at once,

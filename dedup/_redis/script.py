@@ -22,23 +22,25 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-__all__ = ["REDIS_6", "REDIS_7", "VARIANTS", "Script", "ScriptVariant", "cross_slot", "render"]
+__all__ = [
+    "REDIS_6",
+    "REDIS_7",
+    "VARIANTS",
+    "Script",
+    "ScriptCall",
+    "ScriptVariant",
+    "cross_slot",
+    "render",
+    "run_together",
+]
 
 
 # Redis 7.0+: each helper call of the sources, and the one command written in its place
 # (module strings, like the scripts: `dedup bench` reads the commands scripts run from them).
 _LEASE_OR_GET_7 = "redis.call('SET', key, token, 'NX', 'PX', lease, 'GET')"
-
-
 _SET_GET_PX_7 = "redis.call('SET', key, '1', 'PX', keep, 'GET')"
-
-
 _SET_GET_7 = "redis.call('SET', key, '1', 'GET')"
-
-
 _GETDEL_7 = "redis.call('GETDEL', key)"
-
-
 _INLINE_7 = (
     ("lease_or_get(key, token, lease)", _LEASE_OR_GET_7),
     ("set_get(key, '1', 'PX', keep)", _SET_GET_PX_7),
@@ -163,3 +165,38 @@ class Script:
             # A restarted or flushed server lost its script cache: load and retry once.
             await client.script_load(self.source)
             return await client.evalsha(self.sha, len(keys), *keys, *args), 3
+
+
+ScriptCall = tuple[Script, Sequence[bytes], Sequence[Any]]
+"""A script with its KEYS and ARGV, for :func:`run_together`."""
+
+
+async def run_together(client: Redis, calls: Sequence[ScriptCall]) -> tuple[list[Any], int]:
+    """Run ``calls`` in order in one round trip (a pipeline, not a transaction: each
+    script is atomic, another client's command may run between two of them): their
+    results and the round trips taken. On NOSCRIPT the missing scripts are loaded and
+    every call runs again, so each must be safe to run twice (the claim protocol's are,
+    per token)."""
+
+    async def attempt() -> list[Any]:
+        async with client.pipeline(transaction=False) as pipe:
+            for script, keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            return list(await pipe.execute(raise_on_error=False))
+
+    results = await attempt()
+    trips = 1
+    missing = {
+        script.sha: script
+        for (script, _, _), result in zip(calls, results, strict=True)
+        if isinstance(result, NoScriptError)
+    }
+    if missing:
+        for script in missing.values():
+            await client.script_load(script.source)
+        results = await attempt()
+        trips += len(missing) + 1
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results, trips
