@@ -27,10 +27,7 @@ __all__ = [
     "validate_value",
 ]
 
-
 DIGEST_BYTES = 16
-
-
 MAX_KIND_CHARS = 128
 
 
@@ -44,8 +41,6 @@ _KIND_FORBIDDEN = (
     r"\u0000-\u001f\u007f-\u009f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e"
     r"\u2060-\u206f\ufeff\ufff9-\ufffb\ufffe\uffff"
 )
-
-
 KIND_PATTERN = f"^[^{_KIND_FORBIDDEN}]+$"
 """The characters of a kind as a JSON Schema (ECMA-262) pattern; its length is checked apart."""
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 __all__ = ["ENQUEUE", "HEARTBEAT", "HOLD", "LEAVE", "POP", "RENEW", "TAKE_BACK", "UNHOLD"]
 
-
 HEARTBEAT = """
 -- KEYS[1]: the set of live gateways (score: expiry in ms of the server's clock)
 -- ARGV[1]: this gateway's id; ARGV[2]: how long its heartbeat counts, in ms
@@ -21,13 +20,11 @@ redis.call('PEXPIRE', KEYS[1], ttl * 2)
 return redis.call('ZCARD', KEYS[1])
 """
 
-
 LEAVE = """
 -- KEYS[1]: the set of live gateways; ARGV[1]: this gateway's id
 -- Returns: 1 if it was there
 return redis.call('ZREM', KEYS[1], ARGV[1])
 """
-
 
 ENQUEUE = """
 -- KEYS[1]: the write queue; KEYS[2]: the writer's term (set while a writer pops);
@@ -61,7 +58,6 @@ if #rows > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return {1, term, table.concat(out)}
 """
 
-
 POP = """
 -- KEYS[1]: the write queue; KEYS[2]: the writer's term
 -- ARGV[1]: the most rows to take; ARGV[2]: this writer's term; ARGV[3]: its expiry in ms
@@ -72,7 +68,6 @@ local rows = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
 if #rows > 0 then redis.call('LTRIM', KEYS[1], #rows, -1) end
 return rows
 """
-
 
 RENEW = """
 -- KEYS[1]: the writer's term; KEYS[1+i]: the lease key of a row a claimant queued and
@@ -87,7 +82,6 @@ for i = 2, #KEYS do
 end
 return redis.call('GET', KEYS[1])
 """
-
 
 TAKE_BACK = """
 -- KEYS[1]: the writer's term; KEYS[1+i]: the lease key of a row the claimant queued
@@ -113,7 +107,6 @@ end
 return {table.concat(out), term}
 """
 
-
 HOLD = """
 -- KEYS: the lease keys of the rows a writer popped
 -- ARGV[1]: the lease in ms; ARGV[2]: the writer's term; ARGV[2+i]: row i's queued token
@@ -133,7 +126,6 @@ for i, key in ipairs(KEYS) do
 end
 return table.concat(out)
 """
-
 
 UNHOLD = """
 -- KEYS: the lease keys of rows a writer held and could not write

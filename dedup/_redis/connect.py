@@ -24,8 +24,6 @@ from dedup.errors import ConfigError
 from dedup.urls import CLUSTER_SCHEMES, REDIS_SCHEMES, scrub
 
 __all__ = ["connect_redis", "info_of_every_node", "per_node", "probe_write", "unlink_matching"]
-
-
 _PROBE_PX = 10_000
 
 

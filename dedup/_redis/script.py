@@ -47,10 +47,7 @@ _INLINE_7 = (
     ("set_get(key, '1')", _SET_GET_7),
     ("getdel(key)", _GETDEL_7),
 )
-
-
 _HELPER_CALL = re.compile(r"\b(lease_or_get|set_get|getdel)\(")
-
 
 _HELPERS_6 = """
 -- Redis 6.0+: no SET ... NX GET (7.0), SET ... GET or GETDEL (6.2); a script runs
@@ -94,14 +91,10 @@ REDIS_7 = ScriptVariant(
     "redis7", (7, 0), "SET NX PX GET, GETDEL", "", _INLINE_7, cross_slot_flag=True
 )
 """Redis 7.0 and later, and Valkey 7.2 and later: one command per step."""
-
-
 REDIS_6 = ScriptVariant(
     "redis6", (6, 0), "GET then SET, GET then DEL", _HELPERS_6, (), cross_slot_flag=False
 )
 """Redis 6.0 to 6.2: a read and a write where Redis 7 has one command."""
-
-
 VARIANTS = (REDIS_7, REDIS_6)
 """Every variant, newest first."""
 
@@ -117,8 +110,6 @@ def render(source: str, variant: ScriptVariant) -> str:
 
 
 _CROSS_SLOT_FLAG = "#!lua flags=allow-cross-slot-keys\n"
-
-
 _CROSS_SLOT = """
 -- The cluster form: run on ONE Redis Cluster node for keys of many slots, all served by
 -- that node (called with no declared keys). ARGV[1] is how many keys follow it in ARGV;

@@ -29,8 +29,6 @@ __all__ = [
     "unsafe_policies",
     "unwritable_reason",
 ]
-
-
 _UNWRITABLE_TEXTS = (
     ("oom", ("OOM command not allowed", "command not allowed when used memory")),
     ("readonly", ("READONLY", "You can't write against a read only")),

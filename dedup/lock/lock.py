@@ -92,7 +92,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_FENCE_MEMORY_S = 60.0
 """How long the last fence of a name is remembered after its last grant."""
 
-
 _ACQUIRE, _ACQUIRE_REENTRANT = Script(ACQUIRE), Script(ACQUIRE_REENTRANT)
 _RELEASE, _RELEASE_PLAIN = Script(RELEASE), Script(RELEASE_PLAIN)
 _EXTEND, _REACQUIRE, _HANDOVER = Script(EXTEND), Script(REACQUIRE), Script(HANDOVER)

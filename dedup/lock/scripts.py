@@ -55,7 +55,6 @@ _FLAG_WAITER = """
 if ARGV[4] ~= '0' then redis.call('SET', KEYS[3], '1', 'PX', ARGV[3]) end
 """
 
-
 ACQUIRE = (
     """
 -- KEYS[1]: the lock (a string holding the token); KEYS[2]: its fence counter;
@@ -89,7 +88,6 @@ end
 return {1, fence}
 """
 )
-
 
 ACQUIRE_REENTRANT = (
     """
@@ -132,7 +130,6 @@ return {1, fence, 1}
 """
 )
 
-
 RELEASE_PLAIN = """
 -- KEYS[1]: the lock (a string holding the token); KEYS[2]: its "someone waits" flag
 -- ARGV[1]: the token; ARGV[2]: the release channel
@@ -143,7 +140,6 @@ if redis.pcall('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 if redis.call('DEL', KEYS[1], KEYS[2]) > 1 then redis.call('PUBLISH', ARGV[2], KEYS[1]) end
 return 0
 """
-
 
 RELEASE = """
 -- KEYS[1]: the lock (string or reentrant hash); KEYS[2]: its "someone waits" flag
@@ -165,7 +161,6 @@ if left > 0 then return left end
 if redis.call('DEL', KEYS[1], KEYS[2]) > 1 then redis.call('PUBLISH', ARGV[2], KEYS[1]) end
 return 0
 """
-
 
 HANDOVER = (
     """
@@ -196,7 +191,6 @@ return {1, fence}
 """
 )
 
-
 EXTEND = (
     """
 -- KEYS[1]: the lock
@@ -216,7 +210,6 @@ return 1
 """
 )
 
-
 REACQUIRE = (
     """
 -- KEYS[1]: the lock
@@ -230,7 +223,6 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 )
-
 
 OWNER = (
     """
