@@ -243,14 +243,8 @@ class Claims:
 
     async def claim(self, keys: Sequence[bytes]) -> str:
         """One letter per key: ``S`` saved, ``W`` won (lease held), ``B`` busy."""
-        head: tuple[Any, ...] = (self._token, self._lease)
-        scripts = await self._variant_scripts()
-        if self.layout == "keys":
-            results = await self._run(scripts.claim, keys, lambda ks: (ks, head))
-        else:
-            reads, _ = self.generations()
-            script = scripts.claim_compact if self._bloom is None else scripts.claim_bloom
-            results = await self._run(script, keys, lambda ks: self._claim_call(ks, reads))
+        script, build = await self._claim_script()
+        results = await self._run(script, keys, build)
         return "".join(r.decode() if isinstance(r, bytes) else r for r in results)
 
     async def claim_then(self, keys: Sequence[bytes], then: ScriptCall) -> tuple[str, Any]:
@@ -261,17 +255,23 @@ class Claims:
         assert isinstance(self._client, Redis)
         if not keys:
             return "", None
-        scripts = await self._variant_scripts()
-        if self.layout == "keys":
-            claim: ScriptCall = (scripts.claim, keys, (self._token, self._lease))
-        else:
-            reads, _ = self.generations()
-            script = scripts.claim_compact if self._bloom is None else scripts.claim_bloom
-            claim = (script, *self._claim_call(keys, reads))
+        script, build = await self._claim_script()
         self._stats.redis_batches += 1
-        (letters, result), trips = await run_together(self._client, [claim, then])
+        (letters, result), trips = await run_together(self._client, [(script, *build(keys)), then])
         self._stats.redis_round_trips += trips
         return (letters.decode() if isinstance(letters, bytes) else letters), result
+
+    async def _claim_script(
+        self,
+    ) -> tuple[Script, Callable[[Sequence[bytes]], tuple[Sequence[bytes], Sequence[Any]]]]:
+        """This layout's claim script, and how it builds KEYS and ARGV for some keys."""
+        scripts = await self._variant_scripts()
+        if self.layout == "keys":
+            head: tuple[Any, ...] = (self._token, self._lease)
+            return scripts.claim, lambda ks: (ks, head)
+        reads, _ = self.generations()
+        script = scripts.claim_compact if self._bloom is None else scripts.claim_bloom
+        return script, lambda ks: self._claim_call(ks, reads)
 
     async def commit(self, keys: Sequence[bytes]) -> int:
         """Mark ``keys`` saved; returns how many still held this token's lease."""
