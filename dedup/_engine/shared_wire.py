@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from dedup._claims.keys import KeySpace, derive_key
-from dedup._values import Limits, encode_payload, validate_kind, validate_value
+from dedup._values import DIGEST_BYTES, Limits, encode_payload, validate_kind, validate_value
 from dedup.errors import InvalidInput
 from dedup.types import Row
 
@@ -45,7 +45,6 @@ SAVED = "saved"
 which is 16 hex digits)."""
 
 _GATEWAY_ID = re.compile(r"[0-9a-f]{16}")
-_DIGEST_HEX = 32
 _MAX_TOKEN_CHARS = 64
 _MAC_BYTES = 16
 
@@ -190,17 +189,15 @@ class Wire:
         out: list[tuple[str, list[bytes]]] = []
         for i in range(0, len(flat), 2):
             kind, digests = flat[i], flat[i + 1]
-            if not isinstance(digests, str) or len(digests) % _DIGEST_HEX:
+            if not isinstance(digests, str) or len(digests) % (2 * DIGEST_BYTES):
                 raise BadMessage("a saved-values message has malformed digests")
             try:
                 kind = validate_kind(kind)
                 raw_digests = bytes.fromhex(digests)
             except (InvalidInput, ValueError):
                 raise BadMessage("a saved-values message is malformed") from None
-            step = _DIGEST_HEX // 2
-            out.append(
-                (kind, [raw_digests[j : j + step] for j in range(0, len(raw_digests), step)])
-            )
+            n = DIGEST_BYTES
+            out.append((kind, [raw_digests[j : j + n] for j in range(0, len(raw_digests), n)]))
         return out
 
     # ------------------------------------------------------------- signatures
