@@ -539,6 +539,51 @@ async def test_malformed_and_forged_rows_are_skipped(
     assert stats[0].shared_bad_messages >= (9 if secret else 8)
 
 
+async def test_a_pop_gives_back_the_holds_of_rows_it_cannot_use(
+    redis_url: str, pg_url: str
+) -> None:
+    """The pop script holds the lease a queued row's prefix names before the writer reads
+    the row. A forged prefix naming a real queued lease, with a message that is not that
+    row's, gets its hold given back (the lease is queued again, for its claimant); a
+    prefix naming a key outside the namespace or a key of another type is never held,
+    and breaks nothing."""
+    client = Redis.from_url(redis_url)
+    try:
+        async with Gateway(redis_url, pg_url, **SHARED) as a:
+            await until("a writer", lambda: _shared(a).writer)
+            shared = _shared(a)
+            wire, keys = shared._wire, KeySpace("dedup")
+            queued_key = keys.key("email", digest("queued@example.com"))
+            await client.set(queued_key, "Lclaimant#7", px=60_000)  # a row's queued lease
+            await client.set(b"elsewhere:key", "Lx#1")  # another application's key
+            bucket = b"dedup:m:1"
+            await client.hset(bucket, "f", "1")  # a key of this namespace of another type
+            other_row = wire.row(shared.gateway_id, 1, "Lx#2", keys.key("email", digest("o")),
+                                 "email", "o", None)  # fmt: skip
+
+            def forged(key: bytes, token: bytes, message: bytes) -> bytes:
+                return len(key).to_bytes(2, "big") + key + token + b"|" + message
+
+            message = other_row.partition(b"|")[2]  # a real row's message, another lease
+            junk = [
+                forged(queued_key, b"Lclaimant#7", message),
+                forged(b"elsewhere:key", b"Lx#1", message),
+                forged(bucket, b"Lx#3", message),
+            ]
+            before = a.stats().shared_bad_messages
+            await client.rpush(shared._queue_key, *junk)
+            await until("the junk to be read", lambda: a.stats().shared_bad_messages >= before + 3)
+            assert await client.get(queued_key) == b"Lclaimant#7"  # queued again
+            assert 0 < await client.pttl(queued_key) <= SHARED.get("lease_ms", 5000)
+            assert await client.get(b"elsewhere:key") == b"Lx#1"
+            assert await client.pttl(b"elsewhere:key") == -1
+            assert await client.hgetall(bucket) == {b"f": b"1"}
+            # The writer goes on writing.
+            assert (await a.save("email", "after@example.com")).created
+    finally:
+        await client.aclose()
+
+
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["unsigned", "signed"])
 async def test_malformed_stale_and_forged_answers_resolve_nothing(
     redis_url: str, pg_url: str, secret: str | None

@@ -18,9 +18,10 @@ Nothing is acknowledged before the row is committed, and no wait is unbounded:
 
 * a queued row's lease holds a token naming the claim; the claimant renews it while
   it waits (so no other gateway can claim a value whose row is still queued);
-* the writer checks every row it pops (format, claim, signature with
-  ``shared_secret``, the save's own checks) and swaps its term into the row's lease
-  in the same script that checks the lease is still queued, then writes; a claimant
+* the writer's pop script swaps its term into the lease of every row it pops whose
+  lease is still queued (the row's prefix names the lease), then the writer checks
+  each row (format, claim, signature with ``shared_secret``, the save's own checks,
+  the prefix) and gives back the holds of rows it cannot use, then writes; a claimant
   takes a row back (the lease is its own again) in one script too, only while no
   writer holds it: so a row is written by the writer or by its claimant, never by
   both, and the one ``created=True`` is never lost between them. It takes rows back
@@ -56,7 +57,6 @@ from dedup._engine.local import SavedCache
 from dedup._engine.shared_scripts import (
     ENQUEUE,
     HEARTBEAT,
-    HOLD,
     LEAVE,
     POP,
     RENEW,
@@ -78,7 +78,7 @@ log = logging.getLogger("dedup")
 
 _HEARTBEAT, _LEAVE, _ENQUEUE = Script(HEARTBEAT), Script(LEAVE), Script(ENQUEUE)
 _POP, _RENEW, _TAKE_BACK = Script(POP), Script(RENEW), Script(TAKE_BACK)
-_HOLD, _UNHOLD = Script(HOLD), Script(UNHOLD)
+_UNHOLD = Script(UNHOLD)
 _HEARTBEAT_S = 1.0
 _POP_BLOCK_S = 0.1
 _IDLE_S = 0.2
@@ -626,7 +626,7 @@ class SharedWrites:
             await self._statements.acquire()  # a slot, before popping rows for it
             self._popping = True
             try:
-                rows = await self._pop()
+                rows, held = await self._pop()
             except BaseException:
                 self._statements.release()
                 raise
@@ -634,88 +634,104 @@ class SharedWrites:
                 self._popping = False
             if rows:
                 self._writing += 1  # now, so that stop() waits for it
-                self._spawn(self._write_in_slot(rows))
+                self._spawn(self._write_in_slot(rows, held))
             else:
                 self._statements.release()
                 if not self.active:
                     return  # nothing left, and no fleet to write for
 
-    async def _write_in_slot(self, rows: list[bytes]) -> None:
+    async def _write_in_slot(self, rows: list[bytes], held: str) -> None:
         try:
-            await self._write(rows)
+            await self._write(rows, held)
         except (RedisError, OSError) as exc:
             self._redis_failed(exc)
         finally:
             self._writing -= 1
             self._statements.release()
 
-    async def _pop(self) -> list[bytes]:
-        """One statement's worth of queued rows: wait for some; while another statement
-        is in flight, top up every ``linger_s`` until half full or that one ends. Rows
-        once popped are kept whatever fails later: the statement writes them."""
-        rows: list[bytes] = await self._take(self._batch_rows)
+    async def _pop(self) -> tuple[list[bytes], str]:
+        """One statement's worth of queued rows, and whether the pop holds each one's
+        lease (``"1"``/``"0"`` per row): wait for some; while another statement is in
+        flight, top up every ``linger_s`` until half full or that one ends. Rows once
+        popped are kept whatever fails later: the statement writes them, or answers."""
+        rows, held = await self._take(self._batch_rows)
         try:
             if not rows:
                 got: Any = await self._client.blpop([self._queue_key], timeout=_POP_BLOCK_S)
                 self._stats.redis_round_trips += 1
                 if not got:
-                    return []
-                rows = [got[1], *await self._take(self._batch_rows - 1)]
+                    return [], ""
+                rows, held = [got[1]], "0"  # not held, unless the next pop holds it
+                more, held = await self._take(self._batch_rows - 1, got[1])
+                rows += more
             while self._writing and len(rows) < self._fill and not self._stopping:
                 # Let the statement fill: the fleet's winners keep arriving meanwhile.
                 await asyncio.sleep(self._linger_s)
-                rows.extend(await self._take(self._batch_rows - len(rows)))
+                more, flags = await self._take(self._batch_rows - len(rows))
+                rows += more
+                held += flags
         except (RedisError, OSError) as exc:
             if not rows:
                 raise
             self._redis_failed(exc)
-        return rows
+        return rows, held
 
-    async def _take(self, count: int) -> list[bytes]:
-        taken, trips = await _POP(
+    async def _take(self, count: int, popped: bytes | None = None) -> tuple[list[bytes], str]:
+        """Up to ``count`` rows off the queue, holding the lease of each (and of
+        ``popped``, a row a blocking pop took): the rows, and a flag per row (``popped``
+        first) that says whether its lease is now held."""
+        (taken, held), trips = await _POP(
             self._client,
             [self._queue_key, self._term_key],
-            [count, self._term, int(self._writer_lease_s * 1000)],
+            [
+                count,
+                self._term,
+                int(self._writer_lease_s * 1000),
+                self._lease_ms,
+                self._wire.key_prefix,
+                *(() if popped is None else (popped,)),
+            ],
         )
         self._stats.redis_round_trips += trips
-        return list(taken)
+        return list(taken), held.decode() if isinstance(held, bytes) else str(held)
 
-    async def _write(self, raw: list[bytes]) -> None:
-        """Check the popped rows and their leases, write them in one sorted statement,
-        then each claimant's word, then the markers."""
+    async def _write(self, raw: list[bytes], held: str) -> None:
+        """Check the popped rows (``held``: whether the pop holds each one's lease), write
+        them in one sorted statement, then each claimant's word, then the markers."""
         words: dict[str, dict[str, list[Any]]] = {}
 
         def word(gateway: str, letter: str, nonce: int, key: bytes) -> None:
             words.setdefault(gateway, {}).setdefault(letter, []).extend((key.hex(), nonce))
 
-        queued: list[QueuedRow] = []
-        for item in raw:
+        chosen: dict[bytes, QueuedRow] = {}
+        give_back: list[tuple[bytes, str]] = []  # holds taken for rows not written
+        for item, flag in zip(raw, held, strict=True):
             try:
-                queued.append(self._wire.read_row(item))
+                q = self._wire.read_row(item)
             except BadMessage as exc:
                 self._bad(str(exc))
+                if flag == "1" and exc.lease is not None:
+                    give_back.append(exc.lease)
                 if exc.reply_to is not None:  # a genuine claim this writer cannot write
                     gateway, nonce, key = exc.reply_to
                     word(gateway, "r", nonce, key)
-        if self._resign or self._stopping:  # given up meanwhile: hand them back
-            for q in queued:
+                continue
+            if flag == "1" and q.key not in chosen:
+                chosen[q.key] = q
+            else:  # its lease is gone or another's, or a second row of one key
                 word(q.gateway, "r", q.nonce, q.key)
-            await self._publish(words)
-            return
-        chosen: dict[bytes, QueuedRow] = {}
-        if queued:
-            held, trips = await _HOLD(
+        if self._resign or self._stopping:  # given up meanwhile: hand them back
+            give_back += ((q.key, q.token) for q in chosen.values())
+            for q in chosen.values():
+                word(q.gateway, "r", q.nonce, q.key)
+            chosen = {}
+        if give_back:  # queued again first, so that their claimants may take them back
+            _, trips = await _UNHOLD(
                 self._client,
-                [q.key for q in queued],
-                [self._lease_ms, self._term, *(q.token for q in queued)],
+                [key for key, _ in give_back],
+                [self._lease_ms, self._term, *(token for _, token in give_back)],
             )
             self._stats.redis_round_trips += trips
-            held = held.decode() if isinstance(held, bytes) else held
-            for q, ok in zip(queued, held, strict=True):
-                if ok == "1" and q.key not in chosen:
-                    chosen[q.key] = q
-                else:  # its lease is gone or another's, or a second row of one key
-                    word(q.gateway, "r", q.nonce, q.key)
         entries = sorted(chosen.values(), key=lambda q: (q.row.kind, q.row.digest))
         if not entries:
             await self._publish(words)

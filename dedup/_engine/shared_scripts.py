@@ -1,11 +1,11 @@
 """The Lua of shared writes: the fleet's heartbeat and writer election, the bounded queue
-(push, pop), and the lease moves between a claimant and the writer (renew, hold, unhold,
-take back), each one atomic step on the server.
+(push, pop and hold), and the lease moves between a claimant and the writer (renew,
+unhold, take back), each one atomic step on the server.
 """
 
 from __future__ import annotations
 
-__all__ = ["ENQUEUE", "HEARTBEAT", "HOLD", "LEAVE", "POP", "RENEW", "TAKE_BACK", "UNHOLD"]
+__all__ = ["ENQUEUE", "HEARTBEAT", "LEAVE", "POP", "RENEW", "TAKE_BACK", "UNHOLD"]
 
 HEARTBEAT = """
 -- KEYS[1]: the set of live gateways (score: expiry in ms of the server's clock)
@@ -60,13 +60,39 @@ return {1, term, table.concat(out)}
 
 POP = """
 -- KEYS[1]: the write queue; KEYS[2]: the writer's term
--- ARGV[1]: the most rows to take; ARGV[2]: this writer's term; ARGV[3]: its expiry in ms
--- Returns: up to ARGV[1] rows from the queue's head, taken off it
+-- ARGV[1]: the most rows to take; ARGV[2]: this writer's term; ARGV[3]: its expiry in ms;
+--   ARGV[4]: the lease in ms; ARGV[5]: the namespace's key prefix; ARGV[6...]: rows taken
+--   off the queue before (by a blocking pop), to hold too
+-- Returns: {up to ARGV[1] rows from the queue's head, taken off it; one character per
+--   row, those of ARGV[6...] first: 1 when the lease its prefix names held its queued
+--   token (it now holds the queued token, '@', the term, for a lease, so that the
+--   statement ends inside it and its claimant cannot take it back), 0 when not
+--   (no readable prefix, a key outside the namespace, or a lease taken back, expired,
+--   another claimant's or saved)}
 -- A writer names its term at every pop: claimants wait for it while the term lasts.
-redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+-- The rows are taken off before any is read, so no row can wedge the queue's head.
+local term, lease, prefix = ARGV[2], ARGV[4], ARGV[5]
+redis.call('SET', KEYS[2], term, 'PX', ARGV[3])
 local rows = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
 if #rows > 0 then redis.call('LTRIM', KEYS[1], #rows, -1) end
-return rows
+-- A row: <key length, 2 bytes big-endian><lease key><queued token>|<signed message>
+local function hold(row)
+  local hi, lo = string.byte(row, 1, 2)
+  if not lo then return '0' end
+  local n = hi * 256 + lo
+  local key = string.sub(row, 3, 2 + n)
+  local bar = string.find(row, '|', 3 + n, true)
+  if n == 0 or not bar or string.sub(key, 1, #prefix) ~= prefix then return '0' end
+  local queued = string.sub(row, 3 + n, bar - 1)
+  -- pcall: a key of another type (a forged prefix) is simply not a lease.
+  if queued == '' or redis.pcall('GET', key) ~= queued then return '0' end
+  redis.call('SET', key, queued .. '@' .. term, 'PX', lease)
+  return '1'
+end
+local out = {}
+for i = 6, #ARGV do out[#out + 1] = hold(ARGV[i]) end
+for i = 1, #rows do out[#out + 1] = hold(rows[i]) end
+return {rows, table.concat(out)}
 """
 
 RENEW = """
@@ -105,26 +131,6 @@ for i = 2, #KEYS do
   end
 end
 return {table.concat(out), term}
-"""
-
-HOLD = """
--- KEYS: the lease keys of the rows a writer popped
--- ARGV[1]: the lease in ms; ARGV[2]: the writer's term; ARGV[2+i]: row i's queued token
--- Returns: one character per row: 1 when its lease still held the queued token (it now
---   holds the queued token, '@', the term, for a lease, so that the statement ends
---   inside it and its claimant cannot take it back), 0 when not (taken back, expired,
---   another claimant's, or saved)
-local lease, term, out = ARGV[1], ARGV[2], {}
-for i, key in ipairs(KEYS) do
-  local queued = ARGV[2 + i]
-  if redis.call('GET', key) == queued then
-    redis.call('SET', key, queued .. '@' .. term, 'PX', lease)
-    out[i] = '1'
-  else
-    out[i] = '0'
-  end
-end
-return table.concat(out)
 """
 
 UNHOLD = """

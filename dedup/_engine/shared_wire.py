@@ -9,7 +9,11 @@ and key are recomputed. With a ``shared_secret`` every message is signed (keyed
 BLAKE2b, a MAC), so a client without the secret can neither insert rows nor
 acknowledge saves.
 
-A message is ``<mac>|<JSON>``; the mac is empty without a secret.
+A message is ``<mac>|<JSON>``; the mac is empty without a secret. A queued row has a
+lease prefix before it, ``<length of the key: 2 bytes><lease key><queued token>|``,
+which the writer's pop script reads to hold the row's lease as it pops it (a round
+trip fewer per statement); the writer then checks the row and that the prefix is its
+own, and gives back any hold it took for a row it cannot use.
 
 Three kinds of message: a queued row (claimant to writer, on the queue), an answer
 (writer to one claimant, on its channel) and the saved values of a written statement
@@ -52,11 +56,14 @@ _MAC_BYTES = 16
 class BadMessage(Exception):
     """Raised when a queued row or an answer cannot be used; ``reply_to`` names the
     claim (gateway, nonce, key) of a signed, well-formed row that this writer still
-    cannot write (its claimant then writes it itself), or is None."""
+    cannot write (its claimant then writes it itself), or is None; ``lease`` is the
+    lease key and queued token a queued row's prefix names (None: no readable prefix),
+    so that a hold the pop took on it can be given back."""
 
     def __init__(self, reason: str, reply_to: tuple[str, int, bytes] | None = None) -> None:
         super().__init__(reason)
         self.reply_to = reply_to
+        self.lease: tuple[bytes, str] | None = None
 
 
 class QueuedRow:
@@ -93,18 +100,45 @@ class Wire:
 
     # ------------------------------------------------------------- queued rows
 
+    @property
+    def key_prefix(self) -> bytes:
+        """What every lease key of this namespace starts with: the only keys a pop
+        script holds for a row."""
+        return self._keys.prefix
+
     def row(
         self, gateway: str, nonce: int, token: str, key: bytes, kind: str, value: str,
         payload_json: str | None,
     ) -> bytes:  # fmt: skip
-        """A queued row of claim ``(gateway, nonce)``, held under lease ``token``."""
+        """A queued row of claim ``(gateway, nonce)``, held under lease ``token``: the
+        lease prefix, then the signed message."""
         body = orjson.dumps(
             [FORMAT, self.sink, gateway, nonce, token, key.hex(), kind, value, payload_json]
         )
-        return self._sign(body)
+        return len(key).to_bytes(2, "big") + key + token.encode() + b"|" + self._sign(body)
 
     def read_row(self, raw: bytes) -> QueuedRow:
         """The row in ``raw``, checked; :class:`BadMessage` when it cannot be used."""
+        if not isinstance(raw, bytes) or len(raw) < 3:
+            raise BadMessage("a queued row has no lease prefix")
+        size = int.from_bytes(raw[:2], "big")
+        key, (queued, sep, message) = raw[2 : 2 + size], raw[2 + size :].partition(b"|")
+        if not size or len(key) != size or not sep or not queued:
+            raise BadMessage("a queued row has no lease prefix")
+        lease = (key, queued.decode("ascii", "replace"))
+        try:
+            row = self._read_message(message)
+        except BadMessage as exc:
+            exc.lease = lease
+            raise
+        if (row.key, row.token) != lease:
+            mismatch = BadMessage("a queued row's lease prefix is not its own")
+            mismatch.lease = lease
+            raise mismatch
+        return row
+
+    def _read_message(self, raw: bytes) -> QueuedRow:
+        """The signed message of a queued row, checked."""
         fields = self._open(raw)
         if len(fields) != 9:
             raise BadMessage("a queued row has the wrong number of fields")
