@@ -35,7 +35,16 @@ from dedup._claims.scripts import (
     COMMIT_COMPACT,
 )
 from dedup._redis.connect import connect_redis, info_of_every_node, probe_write
-from dedup._redis.script import REDIS_6, REDIS_7, VARIANTS, ScriptVariant, cross_slot, render
+from dedup._redis.script import (
+    REDIS_6,
+    REDIS_7,
+    VARIANTS,
+    Script,
+    ScriptVariant,
+    cross_slot,
+    render,
+    run_together,
+)
 from dedup._redis.server import older_than_floor, script_variant, unwritable_reason
 from dedup._values import digest
 from dedup.errors import ConfigError
@@ -549,4 +558,60 @@ async def test_redis_clients_pack_commands_the_fast_way(redis_url: str) -> None:
         assert client.connection_pool.connection_class.__name__ == "FastPackConnection"
         assert await claims(client).claim(keys_of("fast")) == "W"
     finally:
+        await client.aclose()
+
+
+# ------------------------------------------------------------------ run_together
+
+_SLOW = Script("""
+-- Busy for ARGV[1] ms of the server's clock, then returns ARGV[2].
+local t = redis.call('TIME')
+local until_us = t[1] * 1000000 + t[2] + tonumber(ARGV[1]) * 1000
+repeat
+  t = redis.call('TIME')
+until t[1] * 1000000 + t[2] >= until_us
+return ARGV[2]
+""")
+_ECHO = Script("return {KEYS[1], ARGV[1]}")
+_FAIL = Script("return redis.error_reply('ERR deliberately failed')")
+
+
+async def test_run_together_replies_in_order_and_keeps_the_stream_in_step(redis_url: str) -> None:
+    """Several scripts in one round trip: replies in order; an error reply raises and the
+    connection stays usable; a flushed script cache is reloaded; a call cancelled while
+    its replies are on their way, and one whose connection the server killed, leave no
+    reply behind for the next caller of the pool."""
+    client = connect_redis(redis_url, max_connections=2, timeout_s=2)
+    assert isinstance(client, Redis)  # one server: run_together's kind
+    admin = Redis.from_url(redis_url)
+    try:
+        results, trips = await run_together(
+            client, [(_ECHO, [b"k1"], [b"a"]), (_ECHO, [b"k2"], [7])]
+        )
+        assert results == [[b"k1", b"a"], [b"k2", b"7"]]
+        with pytest.raises(ResponseError, match="deliberately"):
+            await run_together(client, [(_FAIL, [], []), (_ECHO, [b"k3"], [b"b"])])
+        results, _ = await run_together(client, [(_ECHO, [b"k4"], [b"c"])])
+        assert results == [[b"k4", b"c"]]
+        await admin.script_flush()
+        results, trips = await run_together(client, [(_ECHO, [b"k5"], [b"d"])])
+        assert results == [[b"k5", b"d"]] and trips == 3  # the call, the load, the call
+        # Cancelled while the server still works on the first of two scripts: the second
+        # reply must not reach the next caller.
+        task = asyncio.create_task(
+            run_together(client, [(_SLOW, [], [300, b"late"]), (_ECHO, [b"k6"], [b"e"])])
+        )
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for n in range(4):  # every connection of the pool, more than once
+            results, _ = await run_together(client, [(_ECHO, [b"next"], [n])])
+            assert results == [[b"next", str(n).encode()]]
+        # The server kills every other connection: the next call is retried on a fresh one.
+        await admin.client_kill_filter(_type="normal", skipme=True)
+        results, _ = await run_together(client, [(_ECHO, [b"k7"], [b"f"])])
+        assert results == [[b"k7", b"f"]]
+    finally:
+        await admin.aclose()
         await client.aclose()
