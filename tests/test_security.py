@@ -515,8 +515,9 @@ async def test_redis_keys_are_digests_only(redis_url: str, pg_url: str) -> None:
 async def test_shared_write_queue_holds_values_while_rows_wait(redis_url: str) -> None:
     """KNOWN, reported: with shared writes (``shared_writes="on"``, or ``"auto"`` with more
     than one gateway alive), a winner's row waits in the list ``<ns>:{w}:queue`` for the
-    fleet's writer, and each entry is JSON holding the kind, the value and the payload
-    in clear. So while rows wait, Redis does hold callers' values: the promise of
+    fleet's writer, and each entry (after the prefix naming its lease) is JSON holding the
+    kind, the value and the payload in clear. So while rows wait, Redis does hold callers'
+    values: the promise of
     :func:`test_redis_keys_are_digests_only` is kept only with ``shared_writes="off"``
     (or a single gateway under "auto"). Once the rows are written, the queue is empty
     (gone) and Redis again holds no text of the caller's. This test documents the
@@ -574,7 +575,10 @@ async def test_shared_write_queue_holds_values_while_rows_wait(redis_url: str) -
             await until("a row waiting in the queue", queued)
             entries = await client.lrange(queue_key, 0, -1)
             assert len(entries) == 1
-            entry = orjson.loads(cast(bytes, entries[0]).partition(b"|")[2])
+            # <key length: 2 bytes><lease key><queued token>|<mac>|<JSON>
+            raw = cast(bytes, entries[0])
+            message = raw[2 + int.from_bytes(raw[:2], "big") :].partition(b"|")[2]
+            entry = orjson.loads(message.partition(b"|")[2])
             # [format, sink, gateway id, nonce, token, lease key hex, kind, value, payload]
             assert entry[6] == kind
             assert entry[7] == values[2]  # the value itself, in Redis

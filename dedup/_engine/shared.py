@@ -654,6 +654,9 @@ class SharedWrites:
         lease (``"1"``/``"0"`` per row): wait for some; while another statement is in
         flight, top up every ``linger_s`` until half full or that one ends. Rows once
         popped are kept whatever fails later: the statement writes them, or answers."""
+        # A held row's statement must end inside the hold (a lease): stop lingering
+        # while a statement's bound (the write budget) is still left of it.
+        last_linger = self._loop.time() + self._lease_s - self._write_budget_s
         rows, held = await self._take(self._batch_rows)
         try:
             if not rows:
@@ -664,7 +667,12 @@ class SharedWrites:
                 rows, held = [got[1]], "0"  # not held, unless the next pop holds it
                 more, held = await self._take(self._batch_rows - 1, got[1])
                 rows += more
-            while self._writing and len(rows) < self._fill and not self._stopping:
+            while (
+                self._writing
+                and len(rows) < self._fill
+                and not self._stopping
+                and self._loop.time() < last_linger
+            ):
                 # Let the statement fill: the fleet's winners keep arriving meanwhile.
                 await asyncio.sleep(self._linger_s)
                 more, flags = await self._take(self._batch_rows - len(rows))
