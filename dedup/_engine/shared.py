@@ -330,13 +330,10 @@ class SharedWrites:
                 recheck(e.flight, e.flight.deadline - budget)
         return queued
 
-    def _forget(self, e: _Queued) -> bool:
-        """Stop waiting for ``e``'s word; False if the writer's word came first."""
-        pending = self._pending
-        if pending.get(e.flight.key) is not e:
-            return False
-        del pending[e.flight.key]
-        return not e.flight.done
+    def _forget(self, e: _Queued) -> None:
+        """Stop waiting for ``e``'s word (unless the writer's word came first)."""
+        if self._pending.get(e.flight.key) is e:
+            del self._pending[e.flight.key]
 
     def waiting(self, f: Flight) -> bool:
         """Whether ``f``'s row is queued and this gateway still waits for its word."""
@@ -734,12 +731,7 @@ class SharedWrites:
                 word(q.gateway, "r", q.nonce, q.key)
             chosen = {}
         if give_back:  # queued again first, so that their claimants may take them back
-            _, trips = await _UNHOLD(
-                self._client,
-                [key for key, _ in give_back],
-                [self._lease_ms, self._term, *(token for _, token in give_back)],
-            )
-            self._stats.redis_round_trips += trips
+            await self._give_back(give_back)
         entries = sorted(chosen.values(), key=lambda q: (q.row.kind, q.row.digest))
         if not entries:
             await self._publish(words)
@@ -765,12 +757,7 @@ class SharedWrites:
                 type(exc).__name__,
             )
             # Queued again, so that their claimants can take them back and write them.
-            _, trips = await _UNHOLD(
-                self._client,
-                [q.key for q in entries],
-                [self._lease_ms, self._term, *(q.token for q in entries)],
-            )
-            stats.redis_round_trips += trips
+            await self._give_back([(q.key, q.token) for q in entries])
             for q in entries:
                 word(q.gateway, "r", q.nonce, q.key)
             await self._publish(words)
@@ -788,6 +775,16 @@ class SharedWrites:
             stats.redis_errors += 1
             self._redis_failed(exc)
             log.warning("could not mark %d saved values in Redis: %s", len(entries), exc)
+
+    async def _give_back(self, leases: list[tuple[bytes, str]]) -> None:
+        """Queue again the rows whose leases (key, queued token) this term holds, for
+        their claimants to take back."""
+        _, trips = await _UNHOLD(
+            self._client,
+            [key for key, _ in leases],
+            [self._lease_ms, self._term, *(token for _, token in leases)],
+        )
+        self._stats.redis_round_trips += trips
 
     async def _publish(
         self, words: dict[str, dict[str, list[Any]]], saved: list[Row] | None = None

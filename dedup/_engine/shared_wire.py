@@ -60,10 +60,15 @@ class BadMessage(Exception):
     lease key and queued token a queued row's prefix names (None: no readable prefix),
     so that a hold the pop took on it can be given back."""
 
-    def __init__(self, reason: str, reply_to: tuple[str, int, bytes] | None = None) -> None:
+    def __init__(
+        self,
+        reason: str,
+        reply_to: tuple[str, int, bytes] | None = None,
+        lease: tuple[bytes, str] | None = None,
+    ) -> None:
         super().__init__(reason)
         self.reply_to = reply_to
-        self.lease: tuple[bytes, str] | None = None
+        self.lease = lease
 
 
 class QueuedRow:
@@ -132,9 +137,7 @@ class Wire:
             exc.lease = lease
             raise
         if (row.key, row.token) != lease:
-            mismatch = BadMessage("a queued row's lease prefix is not its own")
-            mismatch.lease = lease
-            raise mismatch
+            raise BadMessage("a queued row's lease prefix is not its own", lease=lease)
         return row
 
     def _read_message(self, raw: bytes) -> QueuedRow:
