@@ -61,6 +61,7 @@ from redis.exceptions import RedisError
 
 from dedup._redis.script import Script
 from dedup.errors import ConfigError
+from dedup.lock.batch import call_script
 from dedup.lock.errors import LockError, LockNotOwned
 from dedup.lock.fence import (
     fence_key,
@@ -213,7 +214,7 @@ class Lock(RedisLock):
         self._watchdog_task: asyncio.Task[None] | None = None
         self._holder_callback: tuple[asyncio.Task[Any], Callable[[asyncio.Task[Any]], None]] | None
         self._holder_callback = None
-        self._background: set[asyncio.Task[Any]] = set()
+        self._background: set[asyncio.Future[Any]] = set()
 
     def register_scripts(self) -> None:
         """Nothing to register: the scripts are called by SHA and loaded on NOSCRIPT."""
@@ -242,8 +243,7 @@ class Lock(RedisLock):
         return self._key.decode(errors="replace")
 
     async def _eval(self, script: Script, keys: Sequence[bytes], args: Sequence[Any]) -> Any:
-        result, _ = await script(self.redis, keys, args)
-        return result
+        return await call_script(self.redis, script, keys, args)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], what: str) -> None:
         """Run ``coro`` in the background, keeping a reference; its failure is logged."""
@@ -291,7 +291,8 @@ class Lock(RedisLock):
         script = _ACQUIRE_REENTRANT if self.reentrant else _ACQUIRE
         keys = [self._key, self._fence_key, self._flag_key]
         args = [token, self._lease_ms, self._fence_memory_ms, waiting]
-        call = asyncio.ensure_future(self._eval(script, keys, args))
+        # A future, not a task: the call goes on if this caller is cancelled.
+        call = call_script(self.redis, script, keys, args)
         try:
             reply = await asyncio.shield(call)
         except asyncio.CancelledError:
