@@ -27,11 +27,11 @@ from redis.asyncio.lock import Lock as RedisLock
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
-from redis.exceptions import ConnectionError, LockError, LockNotOwnedError
+from redis.exceptions import ConnectionError, LockError, LockNotOwnedError, ResponseError
 
 import dedup.errors
 from dedup.errors import ConfigError, InvalidInput, StaleFence
-from dedup.lock import RELEASE_CHANNEL, Lock, check_fence, fenced_set
+from dedup.lock import RELEASE_CHANNEL, Lock, Redlock, check_fence, fenced_set
 from dedup.lock.fence import fence_key
 from tests.lock_child import write_fenced
 from tests.servers import RedisServer
@@ -365,6 +365,40 @@ async def test_fences_grow_across_an_empty_restart(fresh_redis: RedisServer) -> 
         assert before is not None and after is not None and after > before
     finally:
         await client.aclose()
+
+
+async def test_fence_scripts_run_where_scripts_replicate_verbatim(
+    fresh_redis: RedisServer,
+) -> None:
+    # Redis 6.x with lua-replicate-commands off refuses a write after TIME or INFO
+    # (answers a replica would not share) unless the script replicates its effects.
+    client = Redis.from_url(fresh_redis.url)
+    try:
+        try:
+            await client.config_set("lua-replicate-commands", "no")
+        except ResponseError:
+            pytest.skip("Redis 7+ always replicates a script's effects")
+        for options in ({}, {"reentrant": True}):
+            async with Lock(client, "v", **options) as lock:
+                assert lock.fence is not None
+        holder, follower = Lock(client, "h"), Lock(client, "h")
+        assert await holder.acquire()
+        waiting = asyncio.create_task(follower.acquire(blocking_timeout=DEADLINE_S))
+        await eventually(lambda: _is(client.exists(b"{h}:waiting"), 1), "the follower waits")
+        await holder.release()  # handed over: a new grant and fence in the release script
+        assert await waiting
+        await follower.release()
+        # The restart guard reads INFO before it grants.
+        await eventually(lambda: _uptime_at_least(client, 1), "the node is 1 s old")
+        async with Redlock([client], "r", timeout=1):
+            pass
+    finally:
+        await client.aclose()
+
+
+async def _uptime_at_least(client: Redis, seconds: int) -> bool:
+    info = await client.info("server")
+    return int(info["uptime_in_seconds"]) >= seconds
 
 
 @given(st.text(alphabet="abc:{}", min_size=1, max_size=12))

@@ -91,7 +91,8 @@ __all__ = ["DEFAULT_FENCE_MEMORY_S", "Lock"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_FENCE_MEMORY_S = 60.0
-"""How long the last fence of a name is remembered after its last grant."""
+"""How long a name's fence counter lives after the grant that started it; the next
+grant after that starts it again from the server clock."""
 
 _ACQUIRE, _ACQUIRE_REENTRANT = Script(ACQUIRE), Script(ACQUIRE_REENTRANT)
 _RELEASE, _RELEASE_PLAIN = Script(RELEASE), Script(RELEASE_PLAIN)

@@ -50,6 +50,9 @@ ACQUIRE = """
 --   node needs before it may vote (0: no such rule)
 -- Returns: 1 = granted; 0 = held by another token; -1 = abstains, the node started
 --   less than a TTL ago and may have lost a grant it made before a restart
+-- On Redis 6.x with lua-replicate-commands off, a write after INFO (whose answer a
+-- replica would not share) is refused unless the script's effects are replicated.
+redis.replicate_commands()
 local need = tonumber(ARGV[3])
 if need > 0 then
   local up = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)'))

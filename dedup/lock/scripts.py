@@ -47,6 +47,16 @@ end
 """
 
 
+# Redis 6.x replicates a script as its source unless the server says otherwise
+# (lua-replicate-commands no), and then refuses a write after TIME, whose answer a
+# replica would not share. Asking for the script's effects to be replicated instead
+# works on every 6.x, before the first write; Redis 7 always does so (the call is a
+# no-op there). Each script that takes a fence starts with it.
+_REPLICATE_EFFECTS = """
+redis.replicate_commands()
+"""
+
+
 # A failed attempt of a waiter leaves a flag (KEYS[3]) so that the release that frees
 # the lock knows to publish; the release deletes it with the lock in one DEL. A grant
 # leaves it too when other waiters of the same client did not try this time
@@ -65,6 +75,9 @@ ACQUIRE = (
 --   others wait, flag even a grant, '0' = nobody waits
 -- Returns: {1, fence} when the lock was free and is now held by the token;
 --   {0, pttl} when it is held (pttl -1: the holder's lease has no expiry)
+"""
+    + _REPLICATE_EFFECTS
+    + """
 local ok
 if ARGV[2] == '0' then
   ok = redis.call('SET', KEYS[1], ARGV[1], 'NX')
@@ -100,6 +113,9 @@ ACQUIRE_REENTRANT = (
 -- Returns: {1, fence, count} when the owner holds it now (count 1: a new grant, the
 --   fence is new; count > 1: a re-entry, the fence is the grant's);
 --   {0, pttl, 0} when another owner holds it (pttl -1: no expiry)
+"""
+    + _REPLICATE_EFFECTS
+    + """
 local kind = redis.call('TYPE', KEYS[1]).ok
 if kind == 'hash' and redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   local n = redis.call('HINCRBY', KEYS[1], 'count', 1)
@@ -173,6 +189,9 @@ HANDOVER = (
 -- Returns: {1, fence} when the lock is now held by ARGV[2] (a new grant, with a new
 --   fence); {0} when it was released instead (published, the flag kept, since the
 --   next holder waits too); {-1} when ARGV[1] does not hold the lock
+"""
+    + _REPLICATE_EFFECTS
+    + """
 if redis.pcall('GET', KEYS[1]) ~= ARGV[1] then return {-1} end
 if ARGV[5] == '1' and redis.call('EXISTS', KEYS[3]) == 1 then
   redis.call('DEL', KEYS[1])
