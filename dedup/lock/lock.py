@@ -44,8 +44,10 @@ clock steps back by less than that memory. Every script runs on Redis 6.0.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
+import os
 import random
 import secrets
 import weakref
@@ -105,8 +107,26 @@ _OWNER = Script(OWNER)
 _TASK_TOKENS: weakref.WeakKeyDictionary[asyncio.Task[Any], bytes] = weakref.WeakKeyDictionary()
 
 
+# A token is this process's random prefix and a count: unique across processes and
+# hosts like a random token, without a call for 16 random bytes per acquire (~4 % of
+# an acquire and release's CPU). A token is no secret (redis-py's are uuid1); a child
+# forked from this process draws a prefix of its own.
+_token_prefix = b""
+_token_count = itertools.count()
+
+
+def _draw_token_prefix() -> None:
+    global _token_prefix, _token_count
+    _token_prefix = secrets.token_hex(10).encode()
+    _token_count = itertools.count()
+
+
+_draw_token_prefix()
+os.register_at_fork(after_in_child=_draw_token_prefix)
+
+
 def _new_token() -> bytes:
-    return secrets.token_hex(16).encode()
+    return b"%s%012x" % (_token_prefix, next(_token_count))
 
 
 def _task_token() -> bytes:
