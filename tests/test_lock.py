@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import asyncpg
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from redis.asyncio import Redis
+from redis.asyncio import Connection, Redis
 from redis.asyncio.lock import Lock as RedisLock
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -630,6 +630,71 @@ async def test_waiters_survive_a_restarted_server(fresh_redis: RedisServer) -> N
         fresh_redis.restart()
         assert await asyncio.wait_for(task, DEADLINE_S)
         await waiter.release()
+    finally:
+        await client.aclose()
+
+
+# ------------------------------------------------------------------------- batching
+
+
+class _CountingConnection(Connection):
+    """Counts writes to the server."""
+
+    sends = 0
+
+    async def send_packed_command(
+        self, command: bytes | str | Iterable[bytes], check_health: bool = True
+    ) -> None:
+        _CountingConnection.sends += 1
+        await super().send_packed_command(command, check_health)
+
+
+async def test_lock_calls_of_one_turn_share_a_write(redis_url: str) -> None:
+    client = Redis.from_url(redis_url, connection_class=_CountingConnection)
+    try:
+        async with Lock(client, "warm"):  # the scripts are loaded
+            pass
+        await client.set(b"{bad}:fence", b"not a number")  # its fence's INCR fails
+        locks = [Lock(client, f"batch:{n}") for n in range(8)]
+        bad = Lock(client, "bad")
+        _CountingConnection.sends = 0
+        got = await asyncio.gather(
+            *(lk.acquire(blocking=False) for lk in [*locks, bad]), return_exceptions=True
+        )
+        assert got[:8] == [True] * 8
+        assert isinstance(got[8], ResponseError)  # an error reply is its caller's alone
+        await bad.settled()  # the half-done grant is given back
+        assert _CountingConnection.sends == 2  # the nine acquires, then that give-back
+        assert not await client.exists("bad")
+        assert len({lk.fence for lk in locks}) == 8
+        # A server that lost its scripts: the write, the load, then the calls again,
+        # each run once (a release run twice would find its lock gone).
+        await client.script_flush()
+        _CountingConnection.sends = 0
+        await asyncio.gather(*(lk.release() for lk in locks))
+        assert _CountingConnection.sends == 3
+        assert not await client.exists(*[f"batch:{n}" for n in range(8)])
+    finally:
+        await client.aclose()
+
+
+async def test_a_write_whose_callers_all_left_closes_its_connection(
+    fresh_redis: RedisServer,
+) -> None:
+    # As a cancelled redis-py call would: no connection is left waiting for replies
+    # nobody reads (a Redlock's call to a paused node times out like this).
+    client = Redis.from_url(fresh_redis.url, socket_timeout=None)
+    try:
+        lock = Lock(client, "left")
+        assert await lock.acquire(blocking=False)
+        fresh_redis.pause()
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(lock.owned(), 0.2)
+        finally:
+            fresh_redis.resume()
+        assert len(await client.client_list()) == 1
+        await lock.release()
     finally:
         await client.aclose()
 

@@ -35,14 +35,27 @@ __all__ = ["call_script"]
 
 
 class _Batch:
-    """The calls of one pool waiting for the next write, on one event loop."""
+    """The calls of one pool for one write, on one event loop: collected until its send
+    starts (on the loop's next turn), then sent."""
 
-    __slots__ = ("calls", "loop")
+    __slots__ = ("calls", "closed", "loop", "task")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         # (packed EVALSHA, script, the caller's future)
         self.calls: list[tuple[bytes, Script, asyncio.Future[Any]]] = []
+        self.closed = False  # takes no more calls
+        self.task: asyncio.Task[None] | None = None
+
+    def gone(self, future: asyncio.Future[Any]) -> None:
+        """A caller's future is done: when every caller of this batch went away
+        (cancelled, as by a timeout), stop waiting for the replies, as a cancelled
+        redis-py call would; the connection is closed then."""
+        if not future.cancelled() or self.task is None or self.task.done():
+            return
+        if all(other.done() for _, _, other in self.calls):
+            self.closed = True
+            self.task.cancel()
 
 
 _BATCHES: weakref.WeakKeyDictionary[ConnectionPool, _Batch] = weakref.WeakKeyDictionary()
@@ -70,23 +83,24 @@ def call_script(
     exception), sent with the other calls of this turn of the loop on the same pool.
 
     The future is the caller's alone: cancelling it does not stop the call, which is
-    already queued or sent; its outcome is then dropped."""
+    already queued or sent; its outcome is then dropped. Only when every caller of a
+    write went away are its replies no longer waited for (its connection is closed)."""
     loop = asyncio.get_running_loop()
     pool = _batches(client)
     packed = None if pool is None else pack(("EVALSHA", script.sha, len(keys), *keys, *args))
     if pool is None or packed is None:
         return asyncio.ensure_future(_one(client, script, keys, args))
     batch = _BATCHES.get(pool)
-    if batch is None or batch.loop is not loop:
+    if batch is None or batch.loop is not loop or batch.closed:
         batch = _BATCHES[pool] = _Batch(loop)
-    future: asyncio.Future[Any] = loop.create_future()
-    batch.calls.append((packed, script, future))
-    if len(batch.calls) == 1:
         # Its first step runs on the loop's next turn: every call made before then
         # goes in the same write.
-        task = loop.create_task(_send(pool, batch))
-        _SENDING.add(task)
-        task.add_done_callback(_SENDING.discard)
+        batch.task = loop.create_task(_send(pool, batch))
+        _SENDING.add(batch.task)
+        batch.task.add_done_callback(_SENDING.discard)
+    future: asyncio.Future[Any] = loop.create_future()
+    batch.calls.append((packed, script, future))
+    future.add_done_callback(batch.gone)
     return future
 
 
@@ -98,7 +112,19 @@ async def _one(
 
 
 async def _send(pool: ConnectionPool, batch: _Batch) -> None:
-    calls, batch.calls = batch.calls, []
+    batch.closed = True
+    if _BATCHES.get(pool) is batch:
+        del _BATCHES[pool]
+    calls = batch.calls
+    try:
+        await _settle(pool, calls)
+    finally:
+        batch.calls = []  # nothing of a sent batch is kept
+
+
+async def _settle(
+    pool: ConnectionPool, calls: list[tuple[bytes, Script, asyncio.Future[Any]]]
+) -> None:
     try:
         replies = await _exchange(pool, [packed for packed, _, _ in calls])
         missing = [n for n, reply in enumerate(replies) if isinstance(reply, NoScriptError)]

@@ -38,6 +38,7 @@ from redis.exceptions import RedisError
 
 from dedup._redis.script import Script
 from dedup.errors import ConfigError
+from dedup.lock.batch import call_script
 from dedup.lock.errors import LockError, LockNotOwned, QuorumUnavailable
 
 __all__ = ["ACQUIRE", "EXTEND", "OWNER", "RELEASE", "Redlock"]
@@ -204,8 +205,9 @@ class Redlock:
     ) -> Any | BaseException:
         """One node's answer, or the error it gave (a timeout included)."""
         try:
-            result, _ = await asyncio.wait_for(
-                script(client, [self._key], args), timeout=self.node_timeout_s
+            # Batched with the other lock calls of this turn of the loop on that node.
+            result = await asyncio.wait_for(
+                call_script(client, script, [self._key], args), timeout=self.node_timeout_s
             )
         except _NODE_ERRORS as exc:
             return exc
