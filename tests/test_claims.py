@@ -578,7 +578,8 @@ _FAIL = Script("return redis.error_reply('ERR deliberately failed')")
 
 async def test_run_together_replies_in_order_and_keeps_the_stream_in_step(redis_url: str) -> None:
     """Several scripts in one round trip: replies in order; an error reply raises and the
-    connection stays usable; a flushed script cache is reloaded; a call cancelled while
+    connection stays usable; a flushed script cache is reloaded; plain commands ride ahead
+    of the scripts; a call cancelled while
     its replies are on their way, and one whose connection the server killed, leave no
     reply behind for the next caller of the pool."""
     client = connect_redis(redis_url, max_connections=2, timeout_s=2)
@@ -596,6 +597,26 @@ async def test_run_together_replies_in_order_and_keeps_the_stream_in_step(redis_
         await admin.script_flush()
         results, trips = await run_together(client, [(_ECHO, [b"k5"], [b"d"])])
         assert results == [[b"k5", b"d"]] and trips == 3  # the call, the load, the call
+        # Plain commands ahead of the scripts, in the same round trip: their replies come
+        # first, and a reload after NOSCRIPT sends them again with the scripts.
+        listener = admin.pubsub()
+        await listener.subscribe("dedup-test:before")
+        await admin.script_flush()
+        results, trips = await run_together(
+            client, [(_ECHO, [b"k8"], [b"g"])], [("PUBLISH", "dedup-test:before", b"hi")]
+        )
+        assert results == [1, [b"k8", b"g"]] and trips == 3
+        got: list[bytes] = []
+        deadline = asyncio.get_running_loop().time() + 10
+        while len(got) < 2 and asyncio.get_running_loop().time() < deadline:
+            # (None also for the subscription's own confirmation, which is skipped)
+            message = await listener.get_message(ignore_subscribe_messages=True, timeout=1)
+            if message is not None:
+                got.append(message["data"])
+        assert got == [b"hi", b"hi"]  # once per attempt
+        results, trips = await run_together(client, [], [("PUBLISH", "dedup-test:none", b"x")])
+        assert results == [0] and trips == 1
+        await listener.aclose()  # type: ignore[no-untyped-call]
         # Cancelled while the server still works on the first of two scripts: the second
         # reply must not reach the next caller.
         task = asyncio.create_task(

@@ -106,6 +106,26 @@ def test_saved_cache_is_a_bounded_lru() -> None:
         SavedCache(-1)
 
 
+def test_saved_cache_add_many_is_add_in_bulk() -> None:
+    # The fleet's saved values are learned in bulk: the same entries, order and bound
+    # as one add each.
+    one, bulk = SavedCache(100), SavedCache(100)
+    digests = [digest(f"v{i}") for i in range(250)]
+    one.add("k", digests[0])
+    bulk.add("k", digests[0])
+    for d in digests[1:]:
+        one.add("k", d)
+    bulk.add_many("k", digests[1:])
+    bulk.add_many("k", [])
+    assert len(bulk) == len(one) <= 100
+    assert list(bulk.entries) == list(one.entries)
+    assert ("k", digests[-1]) in bulk and ("k", digests[0]) not in bulk
+    assert ("other", digests[-1]) not in bulk
+    disabled = SavedCache(0)
+    disabled.add_many("k", digests)
+    assert len(disabled) == 0
+
+
 def test_saved_cache_evicts_least_recently_used_first_and_stays_bounded() -> None:
     # A large cache evicts its oldest keys 1/64 of its size at a time: never more than
     # maxsize entries, and never a key used more recently than one it keeps.

@@ -275,17 +275,43 @@ class Claims:
 
     async def commit(self, keys: Sequence[bytes]) -> int:
         """Mark ``keys`` saved; returns how many still held this token's lease."""
+        script, build = await self._commit_script()
+        results = await self._run(script, keys, build)
+        return sum(int(r) for r in results)
+
+    async def commit_after(
+        self, commands: Sequence[Sequence[Any]], keys: Sequence[bytes]
+    ) -> tuple[list[Any], int]:
+        """Plain ``commands`` (``PUBLISH``, say), then :meth:`commit` of ``keys``, in one
+        round trip (one Redis server only): the commands' replies and how many keys
+        still held this token's lease. The shared writer answers its claimants and marks
+        their values saved this way, a round trip per statement fewer."""
+        assert not self._cluster, "one round trip for two steps needs one Redis server"
+        assert isinstance(self._client, Redis)
+        calls: list[ScriptCall] = []
+        if keys:
+            script, build = await self._commit_script()
+            calls.append((script, *build(keys)))
+            self._stats.redis_batches += 1
+        if not calls and not commands:
+            return [], 0
+        results, trips = await run_together(self._client, calls, commands)
+        self._stats.redis_round_trips += trips
+        if not keys:
+            return results, 0
+        return results[:-1], int(results[-1])
+
+    async def _commit_script(
+        self,
+    ) -> tuple[Script, Callable[[Sequence[bytes]], tuple[Sequence[bytes], Sequence[Any]]]]:
+        """This layout's commit script, and how it builds KEYS and ARGV for some keys."""
         scripts = await self._variant_scripts()
         if self.layout == "keys":
             args = (self._token, self.retention_ms)
-            results = await self._run(scripts.commit, keys, lambda ks: (ks, args))
-        else:
-            reads, expire_at = self.generations()
-            script = scripts.commit_compact if self._bloom is None else scripts.commit_bloom
-            results = await self._run(
-                script, keys, lambda ks: self._commit_call(ks, reads[0], expire_at)
-            )
-        return sum(int(r) for r in results)
+            return scripts.commit, lambda ks: (ks, args)
+        reads, expire_at = self.generations()
+        script = scripts.commit_compact if self._bloom is None else scripts.commit_bloom
+        return script, lambda ks: self._commit_call(ks, reads[0], expire_at)
 
     async def abort(self, keys: Sequence[bytes]) -> int:
         """Release this token's leases on ``keys``; returns how many were released."""

@@ -77,13 +77,16 @@ class SavedCache:
 
     def key(self, kind: str, digest: bytes) -> int:
         """The entry of one value: its digest as a number, XOR its kind's salt."""
+        return self._salt(kind) ^ int.from_bytes(digest, "little")
+
+    def _salt(self, kind: str) -> int:
         salt = self._salts.get(kind)
         if salt is None:
             salt = kind_salt(kind)
             if len(self._salts) >= _MAX_SALTS:
                 self._salts.clear()  # a memo: salts are recomputed, entries stay valid
             self._salts[kind] = salt
-        return salt ^ int.from_bytes(digest, "little")
+        return salt
 
     def __contains__(self, item: tuple[str, bytes]) -> bool:
         kind, digest = item
@@ -108,6 +111,22 @@ class SavedCache:
         key = self.key(kind, digest)
         entries.pop(key, None)
         entries[key] = None
+        excess = len(entries) - self.maxsize
+        if excess > 0:
+            for old in list(islice(entries, excess + self._chunk - 1)):
+                del entries[old]
+
+    def add_many(self, kind: str, digests: list[bytes]) -> None:
+        """:meth:`add` of several values of one kind (the fleet's saved values, learned
+        in bulk: one salt lookup and one eviction check for them all)."""
+        if not self.maxsize or not digests:
+            return
+        entries, salt, from_bytes = self._entries, self._salt(kind), int.from_bytes
+        pop = entries.pop
+        for digest in digests:
+            key = salt ^ from_bytes(digest, "little")
+            pop(key, None)
+            entries[key] = None
         excess = len(entries) - self.maxsize
         if excess > 0:
             for old in list(islice(entries, excess + self._chunk - 1)):

@@ -66,7 +66,7 @@ from dedup._engine.shared_scripts import (
 from dedup._engine.shared_wire import SAVED, BadMessage, QueuedRow, Wire
 from dedup._engine.wait_queue import WaitQueue
 from dedup._engine.write_stage import write_rows
-from dedup._redis.script import Script, ScriptCall
+from dedup._redis.script import Script, ScriptCall, run_together
 from dedup.lock import Lock
 from dedup.metrics import Stats
 from dedup.types import BatchWriter, Row
@@ -175,6 +175,10 @@ class SharedWrites:
         self._batch_rows = batch_rows
         # A busy writer with fewer rows than this tops up every ``linger_s``.
         self._fill = max(1, batch_rows // 2)
+        # A statement popped while another was in flight and still this small when that
+        # one ends keeps topping up until it has waited this long in all.
+        self._small = max(1, batch_rows // 8)
+        self._small_wait_s = 4 * linger_s
         self._linger_s = linger_s
         # Two statements overlap: one fills while the other waits for its commit. Like
         # the per-process batcher, an idle writer sends at once and a busy one lingers
@@ -453,8 +457,7 @@ class SharedWrites:
             return
         learned = 0
         for kind, digests in groups:
-            for digest in digests:
-                local.add(kind, digest)
+            local.add_many(kind, digests)
             learned += len(digests)
         self._stats.shared_learned += learned
 
@@ -653,7 +656,12 @@ class SharedWrites:
         popped are kept whatever fails later: the statement writes them, or answers."""
         # A held row's statement must end inside the hold (a lease): stop lingering
         # while a statement's bound (the write budget) is still left of it.
-        last_linger = self._loop.time() + self._lease_s - self._write_budget_s
+        started = self._loop.time()
+        last_linger = started + self._lease_s - self._write_budget_s
+        # Popping while another statement is in flight means the fleet is busy: then a
+        # small statement keeps topping up a little after that one ends, so that
+        # statements stay few (PostgreSQL's transactions) once the other ends sooner.
+        busy = self._writing > 0
         rows, held = await self._take(self._batch_rows)
         try:
             if not rows:
@@ -665,10 +673,17 @@ class SharedWrites:
                 more, held = await self._take(self._batch_rows - 1, got[1])
                 rows += more
             while (
-                self._writing
-                and len(rows) < self._fill
+                len(rows) < self._fill
                 and not self._stopping
                 and self._loop.time() < last_linger
+                and (
+                    self._writing
+                    or (
+                        busy
+                        and len(rows) < self._small
+                        and self._loop.time() - started < self._small_wait_s
+                    )
+                )
             ):
                 # Let the statement fill: the fleet's winners keep arriving meanwhile.
                 await asyncio.sleep(self._linger_s)
@@ -766,15 +781,17 @@ class SharedWrites:
         for q in entries:
             letter = "i" if (q.row.kind, q.row.digest) in inserted else "e"
             word(q.gateway, letter, q.nonce, q.key)
-        # Callers are answered once the rows are committed (and every gateway's local
-        # tier learns the values, in the same round trip); the markers follow.
-        await self._publish(words, [q.row for q in entries])
+        # Callers are answered once the rows are committed, every gateway's local tier
+        # learns the values, and the markers are set: all in one round trip, since the
+        # next statement waits for this one's slot.
         try:
-            await self._claims.commit([q.key for q in entries])
+            await self._claims.commit_after(
+                self._publishes(words, [q.row for q in entries]), [q.key for q in entries]
+            )
         except (RedisError, OSError) as exc:
             stats.redis_errors += 1
             self._redis_failed(exc)
-            log.warning("could not mark %d saved values in Redis: %s", len(entries), exc)
+            log.warning("could not answer and mark %d saved values in Redis: %s", len(entries), exc)
 
     async def _give_back(self, leases: list[tuple[bytes, str]]) -> None:
         """Queue again the rows whose leases (key, queued token) this term holds, for
@@ -786,19 +803,22 @@ class SharedWrites:
         )
         self._stats.redis_round_trips += trips
 
-    async def _publish(
-        self, words: dict[str, dict[str, list[Any]]], saved: list[Row] | None = None
-    ) -> None:
-        """Each claimant's word on its channel and, when rows were committed, their values
-        on the sink's one saved-values channel (sent whether or not this gateway learns:
-        the others may), in one round trip."""
-        if not words and not saved:
+    async def _publish(self, words: dict[str, dict[str, list[Any]]]) -> None:
+        """Each claimant's word on its channel, in one round trip (no rows committed)."""
+        commands = self._publishes(words)
+        if not commands:
             return
+        _, trips = await run_together(self._client, [], commands)
+        self._stats.redis_round_trips += trips
+
+    def _publishes(
+        self, words: dict[str, dict[str, list[Any]]], saved: list[Row] | None = None
+    ) -> list[tuple[str, str, bytes]]:
+        """The ``PUBLISH`` commands of each claimant's word on its channel and, when rows
+        were committed, of their values on the sink's one saved-values channel (sent
+        whether or not this gateway learns: the others may)."""
         prefix, answer = self._channels, self._wire.answer
-        async with self._client.pipeline(transaction=False) as pipe:
-            for gw, word in words.items():
-                pipe.publish(prefix + gw, answer(gw, word))
-            if saved:
-                pipe.publish(self._saved_channel, self._wire.saved(saved))
-            await pipe.execute()
-        self._stats.redis_round_trips += 1
+        commands = [("PUBLISH", prefix + gw, answer(gw, word)) for gw, word in words.items()]
+        if saved:
+            commands.append(("PUBLISH", self._saved_channel, self._wire.saved(saved)))
+        return commands

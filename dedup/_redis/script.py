@@ -164,19 +164,25 @@ ScriptCall = tuple[Script, Sequence[bytes], Sequence[Any]]
 """A script with its KEYS and ARGV, for :func:`run_together`."""
 
 
-async def run_together(client: Redis, calls: Sequence[ScriptCall]) -> tuple[list[Any], int]:
+async def run_together(
+    client: Redis, calls: Sequence[ScriptCall], before: Sequence[Sequence[Any]] = ()
+) -> tuple[list[Any], int]:
     """Run ``calls`` in order in one round trip (a pipeline, not a transaction: each
     script is atomic, another client's command may run between two of them): their
-    results and the round trips taken. On NOSCRIPT the missing scripts are loaded and
-    every call runs again, so each must be safe to run twice (the claim protocol's are,
-    per token)."""
+    results and the round trips taken. ``before`` are plain commands (``PUBLISH``, say)
+    sent ahead of the scripts in the same round trip; their replies come first. On
+    NOSCRIPT the missing scripts are loaded and everything runs again, so each call and
+    command must be safe to run twice (the claim protocol's are, per token)."""
 
-    packed = _pack_calls(calls)
+    packed = _pack_calls(calls, before)
+    count = len(before) + len(calls)
 
     async def attempt() -> list[Any]:
         if packed is not None:
-            return await _exchange(client, packed, len(calls))
+            return await _exchange(client, packed, count)
         async with client.pipeline(transaction=False) as pipe:
+            for command in before:
+                pipe.execute_command(*command)
             for script, keys, args in calls:
                 pipe.evalsha(script.sha, len(keys), *keys, *args)
             return list(await pipe.execute(raise_on_error=False))
@@ -185,7 +191,7 @@ async def run_together(client: Redis, calls: Sequence[ScriptCall]) -> tuple[list
     trips = 1
     missing = {
         script.sha: script
-        for (script, _, _), result in zip(calls, results, strict=True)
+        for (script, _, _), result in zip(calls, results[len(before) :], strict=True)
         if isinstance(result, NoScriptError)
     }
     if missing:
@@ -199,10 +205,15 @@ async def run_together(client: Redis, calls: Sequence[ScriptCall]) -> tuple[list
     return results, trips
 
 
-def _pack_calls(calls: Sequence[ScriptCall]) -> bytes | None:
-    """The ``EVALSHA`` of every call as one RESP buffer, or None when an argument is not
-    bytes, str or int (:func:`dedup._redis.packing.pack`)."""
+def _pack_calls(calls: Sequence[ScriptCall], before: Sequence[Sequence[Any]] = ()) -> bytes | None:
+    """``before``, then the ``EVALSHA`` of every call, as one RESP buffer, or None when an
+    argument is not bytes, str or int (:func:`dedup._redis.packing.pack`)."""
     pieces = []
+    for command in before:
+        piece = pack(tuple(command))
+        if piece is None:
+            return None
+        pieces.append(piece)
     for script, keys, args in calls:
         piece = pack(("EVALSHA", script.sha, len(keys), *keys, *args))
         if piece is None:
