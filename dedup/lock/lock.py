@@ -351,10 +351,11 @@ class Lock(RedisLock):
         if not self.reentrant and token != self.local.token:
             self._spawn(self._release_call(token), "cleanup")
 
-    async def _hand_over(self, token: bytes) -> int | None:
+    def _hand_over(self, token: bytes) -> asyncio.Future[int] | None:
         """Release by handing the lock to this client's contender for it, if one
-        waits: 0 when done (handed over, or released because other clients wait),
-        -1 when ``token`` does not hold the lock, None when nobody here waits."""
+        waits: a future of 0 when done (handed over, or released because other
+        clients wait) or -1 when ``token`` does not hold the lock; None when nobody
+        here waits (nothing sent)."""
         gate = gate_for(self.redis, self._key, create=False)
         if gate is None:
             return None
@@ -372,34 +373,46 @@ class Lock(RedisLock):
         loop = asyncio.get_running_loop()
         sent = loop.time()
         following.trying = True  # nobody else hands it over meanwhile
-        try:
-            keys = [self._key, self._fence_key, self._flag_key]
-            args = [
-                token,
-                following.token,
-                self._fence_memory_ms,
-                following.lease_ms,
-                "1" if yield_turn else "0",
-                RELEASE_CHANNEL,
-            ]
-            reply = await self._eval(_HANDOVER, keys, args)
-        finally:
+        keys = [self._key, self._fence_key, self._flag_key]
+        args = [
+            token,
+            following.token,
+            self._fence_memory_ms,
+            following.lease_ms,
+            "1" if yield_turn else "0",
+            RELEASE_CHANNEL,
+        ]
+        outcome: asyncio.Future[int] = loop.create_future()
+
+        def answered(call: asyncio.Future[Any]) -> None:
             following.trying = False
-        status = int(reply[0])
-        if status != 1:
-            if status == 0:
-                gate.streak = 0
-                following.polite = True
-            return status
-        # A yield check that found no other client waiting starts a new streak.
-        gate.streak = 1 if yield_turn else gate.streak + 1
-        if following.left:
-            # It gave up while the handover was on its way: release its grant.
-            self._spawn(self._release_call(following.token), "release an unclaimed handover")
-        else:
-            following.grant = (int(reply[1]), sent)
-            following.waiter.event.set()
-        return 0
+            if call.cancelled():
+                outcome.cancel()
+                return
+            try:
+                reply = call.result()
+                status = int(reply[0])
+            except Exception as exc:  # an error, or an answer that is not the script's
+                outcome.set_exception(exc)
+                return
+            if status != 1:
+                if status == 0:
+                    gate.streak = 0
+                    following.polite = True
+                outcome.set_result(status)
+                return
+            # A yield check that found no other client waiting starts a new streak.
+            gate.streak = 1 if yield_turn else gate.streak + 1
+            if following.left:
+                # It gave up while the handover was on its way: release its grant.
+                self._spawn(self._release_call(following.token), "release an unclaimed handover")
+            else:
+                following.grant = (int(reply[1]), sent)
+                following.waiter.event.set()
+            outcome.set_result(0)
+
+        call_script(self.redis, _HANDOVER, keys, args).add_done_callback(answered)
+        return outcome
 
     async def _release_call(self, token: bytes) -> int:
         """One release of ``token`` on the server: the holds left, -1 if not held."""
@@ -629,7 +642,9 @@ class Lock(RedisLock):
         if self._depth <= 1:
             # First, so that even a release that never reaches Redis ends the hold.
             self._stop_watchdog()
-        call = asyncio.ensure_future(self._release_and_settle(token))
+        # A future, not a task: the release goes on and settles this object if the
+        # caller is cancelled.
+        call = self._release_and_settle(token)
         try:
             await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -638,31 +653,54 @@ class Lock(RedisLock):
                 call.add_done_callback(self._settled_in_background)
             raise
 
-    def _settled_in_background(self, task: asyncio.Task[Any]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
+    def _settled_in_background(self, call: asyncio.Future[Any]) -> None:
+        self._background.discard(call)
+        if not call.cancelled() and call.exception() is not None:
             logger.warning(
                 "lock %r: release after cancellation failed: %r",
                 self._lock_name(),
-                task.exception(),
+                call.exception(),
             )
 
-    async def _release_and_settle(self, token: bytes) -> None:
-        left = await self._hand_over(token) if not self.reentrant else None
-        if left is None:
-            left = await self._release_call(token)
-        if self.local.token == token:  # unless this object was acquired again meanwhile
-            if left < 0:
-                self.lost.set()
-                self._clear()
-            else:
-                self._depth -= 1
-                if self._depth <= 0:
+    def _release_and_settle(self, token: bytes) -> asyncio.Future[None]:
+        """Send the release of ``token`` (a handover if a contender of this client
+        waits): a future that settles this object when Redis answers, with
+        :class:`~dedup.errors.LockNotOwned` if the token no longer held the lock."""
+        settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        call = None if self.reentrant else self._hand_over(token)
+        if call is None:
+            keys = [self._key, self._flag_key]
+            call = call_script(self.redis, self._release_script, keys, [token, RELEASE_CHANNEL])
+
+        def answered(call: asyncio.Future[Any]) -> None:
+            if call.cancelled():
+                settled.cancel()
+                return
+            try:
+                left = int(call.result())
+            except Exception as exc:  # an error, or an answer that is not the script's
+                settled.set_exception(exc)
+                return
+            if self.local.token == token:  # unless this object was acquired again meanwhile
+                if left < 0:
+                    self.lost.set()
                     self._clear()
-        if left < 0:
-            raise LockNotOwned(
-                "Cannot release a lock that's no longer owned", lock_name=self._lock_name()
-            )
+                else:
+                    self._depth -= 1
+                    if self._depth <= 0:
+                        self._clear()
+            if left < 0:
+                settled.set_exception(
+                    LockNotOwned(
+                        "Cannot release a lock that's no longer owned",
+                        lock_name=self._lock_name(),
+                    )
+                )
+            else:
+                settled.set_result(None)
+
+        call.add_done_callback(answered)
+        return settled
 
     async def do_release(self, expected_token: bytes) -> None:
         """Release with ``expected_token`` (redis-py's hook); raises
