@@ -53,6 +53,7 @@ from dedup._redis.script import (
     ScriptVariant,
     cross_slot,
     render,
+    run_script,
     run_together,
 )
 from dedup._redis.server import script_variant
@@ -408,7 +409,7 @@ class Claims:
         self._stats.redis_batches += 1
         client = self._client
         if not self._cluster:
-            result, trips = await script(client, *build(keys))
+            result, trips = await run_script(client, script, *build(keys))
             self._stats.redis_round_trips += trips
             return [result]
         groups: dict[int, list[int]] = {}

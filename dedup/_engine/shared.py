@@ -66,7 +66,7 @@ from dedup._engine.shared_scripts import (
 from dedup._engine.shared_wire import SAVED, BadMessage, QueuedRow, Wire
 from dedup._engine.wait_queue import WaitQueue
 from dedup._engine.write_stage import write_rows
-from dedup._redis.script import Script, ScriptCall, run_together
+from dedup._redis.script import Script, ScriptCall, run_script, run_together
 from dedup.lock import Lock
 from dedup.metrics import Stats
 from dedup.types import BatchWriter, Row
@@ -367,8 +367,9 @@ class SharedWrites:
             term: Any = None
             for i in range(0, len(entries), 1000):
                 part = entries[i : i + 1000]
-                (got, term), trips = await _TAKE_BACK(
+                (got, term), trips = await run_script(
                     self._client,
+                    _TAKE_BACK,
                     [self._term_key, *(e.flight.key for e in part)],
                     [self._claims.token, self._lease_ms, *(e.queued for e in part)],
                 )
@@ -507,8 +508,9 @@ class SharedWrites:
             try:
                 for i in range(0, len(entries), 1000):
                     part = entries[i : i + 1000]
-                    term, trips = await _RENEW(
+                    term, trips = await run_script(
                         self._client,
+                        _RENEW,
                         [self._term_key, *(e.flight.key for e in part)],
                         [self._lease_ms, *(e.queued for e in part)],
                     )
@@ -536,8 +538,11 @@ class SharedWrites:
                 await asyncio.sleep(_IDLE_S)
                 continue
             try:
-                fleet, trips = await _HEARTBEAT(
-                    self._client, [self._fleet_key], [self.gateway_id, self._heartbeat_ttl_ms]
+                fleet, trips = await run_script(
+                    self._client,
+                    _HEARTBEAT,
+                    [self._fleet_key],
+                    [self.gateway_id, self._heartbeat_ttl_ms],
                 )
                 self._stats.redis_round_trips += trips
                 self._fleet = int(fleet)
@@ -700,8 +705,9 @@ class SharedWrites:
         """Up to ``count`` rows off the queue, holding the lease of each (and of
         ``popped``, a row a blocking pop took): the rows, and a flag per row (``popped``
         first) that says whether its lease is now held."""
-        (taken, held), trips = await _POP(
+        (taken, held), trips = await run_script(
             self._client,
+            _POP,
             [self._queue_key, self._term_key],
             [
                 count,
@@ -796,8 +802,9 @@ class SharedWrites:
     async def _give_back(self, leases: list[tuple[bytes, str]]) -> None:
         """Queue again the rows whose leases (key, queued token) this term holds, for
         their claimants to take back."""
-        _, trips = await _UNHOLD(
+        _, trips = await run_script(
             self._client,
+            _UNHOLD,
             [key for key, _ in leases],
             [self._lease_ms, self._term, *(token for _, token in leases)],
         )

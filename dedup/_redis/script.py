@@ -33,6 +33,7 @@ __all__ = [
     "ScriptVariant",
     "cross_slot",
     "render",
+    "run_script",
     "run_together",
 ]
 
@@ -162,6 +163,18 @@ class Script:
 
 ScriptCall = tuple[Script, Sequence[bytes], Sequence[Any]]
 """A script with its KEYS and ARGV, for :func:`run_together`."""
+
+
+async def run_script(
+    client: Redis | RedisCluster, script: Script, keys: Sequence[bytes], args: Sequence[Any]
+) -> tuple[Any, int]:
+    """:meth:`Script.__call__`, on one server through :func:`run_together`'s lean path
+    (one packed write on a pooled connection, no redis-py command bookkeeping): the hot
+    scripts of the save path, a call per claim batch or writer pop."""
+    if isinstance(client, Redis):
+        (result,), trips = await run_together(client, [(script, keys, args)])
+        return result, trips
+    return await script(client, keys, args)
 
 
 async def run_together(
