@@ -104,18 +104,27 @@ class _NLocks:
     async def release(self) -> None:
         await asyncio.gather(*(lk.release() for lk in self._locks))
 
+    async def settled(self) -> None:
+        await asyncio.gather(*(lk.settled() for lk in self._locks))
+
 
 async def _child(job: dict[str, Any]) -> None:
     clients = [Redis.from_url(url, connection_class=_CountingConnection) for url in job["urls"]]
     redis = clients[0]
 
+    made: list[Any] = []
+
     def make(name: str) -> Any:
+        lock: Any
         if job["cls"] == "redlock":
-            return Redlock(clients, name, **job["options"])
-        if job["cls"] == "n-locks":
-            return _NLocks(clients, name, **job["options"])
-        cls = Lock if job["cls"] == "dedup" else RedisLock
-        return cls(redis, name, **job["options"])
+            lock = Redlock(clients, name, **job["options"])
+        elif job["cls"] == "n-locks":
+            lock = _NLocks(clients, name, **job["options"])
+        else:
+            cls = Lock if job["cls"] == "dedup" else RedisLock
+            lock = cls(redis, name, **job["options"])
+        made.append(lock)
+        return lock
 
     try:
         print("READY", flush=True)
@@ -143,7 +152,14 @@ async def _child(job: dict[str, Any]) -> None:
 
         _CountingConnection.requests = 0
         await asyncio.gather(*(worker() for _ in range(job["tasks"])))
-        print(json.dumps({"waits": waits, "requests": _CountingConnection.requests}), flush=True)
+        requests = _CountingConnection.requests
+        # A task that gave up when time ran out may have been handed a lock meanwhile;
+        # its release is still on its way: let it arrive before the clients close, or
+        # the next round finds the name held.
+        for lock in made:
+            if isinstance(lock, Lock | _NLocks):
+                await lock.settled()
+        print(json.dumps({"waits": waits, "requests": requests}), flush=True)
     finally:
         for client in clients:
             await client.aclose()

@@ -3,7 +3,8 @@ reentrancy and fencing tokens) and :class:`Redlock` (one lock over N independent
 
 The library stands on its own: it needs nothing of the gateway but the root of its error
 tree. :mod:`.lock` holds :class:`Lock`, :mod:`.gate` its in-process queue of blocked
-acquires, :mod:`.release` the listener that wakes waiters, :mod:`.fence` the fencing
+acquires, :mod:`.release` the listener that wakes waiters, :mod:`.batch` the shared
+writes that carry the lock calls of one turn of the loop, :mod:`.fence` the fencing
 helpers, :mod:`.redlock` :class:`Redlock`, :mod:`.scripts` the Lua and :mod:`.errors` the
 errors (also re-exported by :mod:`dedup.errors`).
 """

@@ -27,7 +27,9 @@ the token, and raises redis-py's ``LockError`` / ``LockNotOwnedError`` (as
   lock, and a release that finds the flag publishes the lock's name on one channel;
   each client (connection pool) holds one subscription for all its waiters, and a
   waiter also wakes when the holder's lease runs out; polling every ``sleep``
-  (jittered) stays as the fallback.
+  (jittered) stays as the fallback;
+* the lock calls that tasks make on one client in the same turn of the event loop
+  share one write and one read (:mod:`dedup.lock.batch`).
 
 Fences: an ``INCR`` of ``<name>:fence`` inside the acquire script; a missing
 counter starts from the server time in microseconds and lives ``fence_memory_s``
