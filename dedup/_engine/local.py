@@ -111,10 +111,8 @@ class SavedCache:
         key = self.key(kind, digest)
         entries.pop(key, None)
         entries[key] = None
-        excess = len(entries) - self.maxsize
-        if excess > 0:
-            for old in list(islice(entries, excess + self._chunk - 1)):
-                del entries[old]
+        if len(entries) > self.maxsize:
+            self._evict()
 
     def add_many(self, kind: str, digests: list[bytes]) -> None:
         """:meth:`add` of several values of one kind (the fleet's saved values, learned
@@ -127,10 +125,15 @@ class SavedCache:
             key = salt ^ from_bytes(digest, "little")
             pop(key, None)
             entries[key] = None
+        if len(entries) > self.maxsize:
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop the least recently used keys past ``maxsize``, and a chunk more."""
+        entries = self._entries
         excess = len(entries) - self.maxsize
-        if excess > 0:
-            for old in list(islice(entries, excess + self._chunk - 1)):
-                del entries[old]
+        for old in list(islice(entries, excess + self._chunk - 1)):
+            del entries[old]
 
     def clear(self) -> None:
         """Forget every key (used when the namespace is cleared)."""

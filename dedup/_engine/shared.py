@@ -723,7 +723,8 @@ class SharedWrites:
 
     async def _write(self, raw: list[bytes], held: str) -> None:
         """Check the popped rows (``held``: whether the pop holds each one's lease), write
-        them in one sorted statement, then each claimant's word, then the markers."""
+        them in one sorted statement, then each claimant's word and the markers (one round
+        trip)."""
         words: dict[str, dict[str, list[Any]]] = {}
 
         def word(gateway: str, letter: str, nonce: int, key: bytes) -> None:

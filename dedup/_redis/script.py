@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
@@ -32,6 +32,7 @@ __all__ = [
     "ScriptCall",
     "ScriptVariant",
     "cross_slot",
+    "exchange",
     "render",
     "run_script",
     "run_together",
@@ -192,7 +193,7 @@ async def run_together(
 
     async def attempt() -> list[Any]:
         if packed is not None:
-            return await _exchange(client, packed, count)
+            return await exchange(client.connection_pool, packed, count)
         async with client.pipeline(transaction=False) as pipe:
             for command in before:
                 pipe.execute_command(*command)
@@ -235,14 +236,13 @@ def _pack_calls(calls: Sequence[ScriptCall], before: Sequence[Sequence[Any]] = (
     return b"".join(pieces)
 
 
-async def _exchange(client: Redis, packed: bytes, count: int) -> list[Any]:
-    """Send ``packed`` on one pooled connection and read its ``count`` replies, an error
-    reply as its exception: what redis-py's pipeline does for a batch of scripts, at
-    about 60 % of its CPU (no command stack, no per-command options or callbacks). A
-    connection error is retried as the client's own commands are (the pool's
-    ``Retry``); any other failure, a cancellation included, closes the connection, so
-    no unread reply is left on it for its next user."""
-    pool = client.connection_pool
+async def exchange(pool: ConnectionPool, packed: bytes, count: int) -> list[Any]:
+    """Send ``packed`` (RESP commands) on one connection of ``pool`` and read its
+    ``count`` replies in order, an error reply as its exception: what redis-py's
+    pipeline does for a batch of scripts, at about 60 % of its CPU (no command stack, no
+    per-command options or callbacks). A connection error is retried as the client's
+    own commands are (the pool's ``Retry``); any other failure, a cancellation included,
+    closes the connection, so no unread reply is left on it for its next user."""
     conn = await pool.get_connection()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
     try:
 
