@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/lock_bench.py [--processes 4] [--tasks 4] [--seconds 3]
                                          [--names 1,1000] [--hold-ms 0] [--redlock-nodes 5]
-                                         [--rounds 3]
+                                         [--rounds 3] [--streaks 1,4,64]
 
 Starts its own redis-servers (see dedup.testing.servers). For each shape (a number of lock
 names) and variant, ``processes`` OS processes with ``tasks`` asyncio tasks each
@@ -17,7 +17,15 @@ commands the server ran per acquisition (INFO ``total_commands_processed``, whic
 also counts each command inside a script); and the time spent inside
 ``acquire()`` (median, 99th percentile and the longest: a lock that lets some tasks
 starve while others take it again at once can show a small p99 over the acquisitions
-that were made, and only the longest wait tells).
+that were made, and only the longest wait tells); and the least-served task: the
+fewest acquisitions one task made, as a share of an even split (all acquisitions
+over all tasks), which shows starvation even when the starved task's last wait was
+cut off by the end of the run and so never counted as a wait.
+
+``--streaks`` adds dedup variants (default ``sleep``) with the library's private
+``_HANDOVER_STREAK`` (handovers within a process before it yields to other
+processes' waiters, 16) set to each value: the trade-off between fairness and the
+p99 on one hot name, measured.
 
 Every variant runs ``rounds`` times, the variants alternating (the order reversed
 every other round) so that drift of the machine falls on all of them alike; the row
@@ -109,6 +117,10 @@ class _NLocks:
 
 
 async def _child(job: dict[str, Any]) -> None:
+    if job.get("streak") is not None:
+        import dedup.lock.lock
+
+        dedup.lock.lock._HANDOVER_STREAK = job["streak"]
     clients = [Redis.from_url(url, connection_class=_CountingConnection) for url in job["urls"]]
     redis = clients[0]
 
@@ -131,8 +143,11 @@ async def _child(job: dict[str, Any]) -> None:
         await asyncio.to_thread(sys.stdin.readline)
         stop_at = time.monotonic() + job["seconds"]
         waits: list[float] = []
+        counts: list[int] = []
 
         async def worker() -> None:
+            number = len(counts)
+            counts.append(0)
             locks: dict[str, Any] = {}
             while True:
                 left = stop_at - time.monotonic()
@@ -146,6 +161,7 @@ async def _child(job: dict[str, Any]) -> None:
                 if not await lock.acquire(blocking_timeout=left):
                     return
                 waits.append(time.monotonic() - started)
+                counts[number] += 1
                 if job["hold_ms"]:
                     await asyncio.sleep(job["hold_ms"] / 1000)
                 await lock.release()
@@ -159,7 +175,7 @@ async def _child(job: dict[str, Any]) -> None:
         for lock in made:
             if isinstance(lock, Lock | _NLocks):
                 await lock.settled()
-        print(json.dumps({"waits": waits, "requests": requests}), flush=True)
+        print(json.dumps({"waits": waits, "counts": counts, "requests": requests}), flush=True)
     finally:
         for client in clients:
             await client.aclose()
@@ -183,11 +199,12 @@ def _run_variant(
     job = {
         "urls": urls,
         "cls": cls,
-        "options": options,
+        "options": {key: value for key, value in options.items() if key != "_streak"},
         "seconds": args.seconds,
         "tasks": args.tasks,
         "names": names,
         "hold_ms": args.hold_ms,
+        "streak": options.get("_streak"),
     }
     procs = [
         subprocess.Popen(
@@ -210,6 +227,7 @@ def _run_variant(
             proc.stdin.write("go\n")
             proc.stdin.flush()
         waits: list[float] = []
+        counts: list[int] = []
         requests = 0
         for proc in procs:
             out, _ = proc.communicate(timeout=args.seconds + START_TIMEOUT_S)
@@ -217,6 +235,7 @@ def _run_variant(
                 raise RuntimeError(f"a benchmark child exited with {proc.returncode}")
             result = json.loads(out.strip().splitlines()[-1])
             waits += result["waits"]
+            counts += result["counts"]
             requests += result["requests"]
         elapsed = time.monotonic() - started
         commands = sum(_commands(url) for url in urls) - before
@@ -235,6 +254,7 @@ def _run_variant(
         "p50_ms": cuts[49] * 1000,
         "p99_ms": cuts[98] * 1000,
         "max_ms": max(waits, default=0.0) * 1000,
+        "least_served": min(counts) * len(counts) / count if count else 0.0,
     }
 
 
@@ -276,7 +296,8 @@ async def _warm_fences(urls: list[str], names: int) -> None:
 def _table(rows: list[tuple[str, dict[str, Any]]]) -> str:
     head = (
         f"{'lock':<36} {'acquire+release/s':>18} {'requests/acq':>13} {'server cmds/acq':>16} "
-        f"{'wait p50':>10} {'wait p99':>10} {'wait max':>10}  acquire+release/s of every round"
+        f"{'wait p50':>10} {'wait p99':>10} {'wait max':>10} {'least served':>12}"
+        "  acquire+release/s of every round"
     )
     lines = [head, "-" * len(head)]
     for label, res in rows:
@@ -284,8 +305,7 @@ def _table(rows: list[tuple[str, dict[str, Any]]]) -> str:
         lines.append(
             f"{label:<36} {res['per_s']:>18,.0f} {res['requests_per_acquire']:>13.1f} "
             f"{res['commands_per_acquire']:>16.1f} {res['p50_ms']:>8.1f}ms {res['p99_ms']:>8.1f}ms "
-            f"{res['max_ms']:>8.1f}ms"
-            f"  {every}"
+            f"{res['max_ms']:>8.1f}ms {res['least_served']:>12.0%}  {every}"
         )
     return "\n".join(lines)
 
@@ -306,6 +326,11 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=3, help="runs of every variant, alternating (3)"
     )
+    parser.add_argument(
+        "--streaks",
+        default="",
+        help="extra dedup variants, one per handover streak, comma-separated (none)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -315,6 +340,11 @@ def main() -> None:
         parser.error("--rounds must be at least 1")
     command = shlex.join([sys.executable, *sys.argv])
     shapes = [int(n) for n in args.names.split(",")]
+    variants = VARIANTS + [
+        (f"dedup Lock, handover streak {n}", "dedup", {"sleep": 0.1, "_streak": int(n)})
+        for n in args.streaks.split(",")
+        if n
+    ]
     print(
         f"{args.processes} processes x {args.tasks} tasks, "
         f"{args.seconds:g} s per variant and round, {args.rounds} rounds, hold {args.hold_ms:g} ms"
@@ -322,7 +352,7 @@ def main() -> None:
     with RedisServer() as server:
         for names in shapes:
             asyncio.run(_warm_fences([server.url], names))
-            rows = _run_rounds([server.url], args, names, VARIANTS)
+            rows = _run_rounds([server.url], args, names, variants)
             print(f"\n{names} lock name(s)")
             print(_table(rows))
     if args.redlock_nodes > 0:

@@ -26,9 +26,10 @@ def test_lock_bench_reports_every_variant_and_round() -> None:
     out = _run(
         "lock_bench.py",
         *("--processes", "1", "--tasks", "2", "--seconds", "0.3", "--names", "1,5"),
-        *("--redlock-nodes", "2", "--rounds", "2"),
+        *("--redlock-nodes", "2", "--rounds", "2", "--streaks", "1,64"),
     )
-    for column in ("acquire+release/s", "requests/acq", "server cmds/acq", "wait p99", "wait max"):
+    columns = ("acquire+release/s", "requests/acq", "server cmds/acq", "wait p99", "wait max")
+    for column in (*columns, "least served"):
         assert column in out
     assert "every round" in out
     for label in (
@@ -36,13 +37,18 @@ def test_lock_bench_reports_every_variant_and_round() -> None:
         "dedup Lock, sleep=0.1",
         "dedup Redlock",
         "2 x dedup Lock",
+        "dedup Lock, handover streak 1",
+        "dedup Lock, handover streak 64",
     ):
         assert label in out
     rows = [line for line in out.splitlines() if "ms  " in line]
-    assert len(rows) == 2 * 4 + 2  # two shapes of four variants, then the Redlock pair
-    # Two rounds: every row lists two rates, and none is zero (every variant acquired).
+    assert len(rows) == 2 * 6 + 2  # two shapes of six variants, then the Redlock pair
+    # Two rounds: every row lists two rates, and none is zero (every variant acquired);
+    # the least-served task's share comes before them.
     for row in rows:
-        rates = row.split("ms  ")[-1].split(" / ")
+        share, every = row.split("ms ")[-1].split("%  ")
+        assert 0 <= int(share) <= 100, row
+        rates = every.split(" / ")
         assert len(rates) == 2, row
         assert all(float(rate.replace(",", "")) > 0 for rate in rates), row
 
