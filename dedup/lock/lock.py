@@ -145,9 +145,12 @@ def _task_token() -> bytes:
 # ------------------------------------------------------------------------------ gate
 
 # Handovers in a row within one process before the holder yields to waiters of other
-# clients (when one flagged itself): a bound on how long other processes wait. 16, not 4:
-# on one hot name (bench/lock_bench.py, 4 processes x 4 tasks) 4 gave 0.80x redis-py's
-# acquisitions/s, 16 gave 1.03-1.17x, with the p99 wait still well under redis-py's.
+# clients (when one flagged itself): a bound on how long other processes wait. 16: on one
+# hot name (bench/lock_bench.py --names 1 --streaks 1,4,64,256,1024, 4 processes x 4
+# tasks) 1 and 4 gave 0.4-0.5x redis-py's acquisitions/s, 16 about 1.0-1.2x with the
+# longest wait a tenth of redis-py's; longer streaks add some rate but lengthen the
+# longest wait (64: 0.5 s; 256 and up: 2-3 s, tasks starving), and only those bring the
+# p99 near redis-py's (docs/locks.md, "The hot name's p99").
 _HANDOVER_STREAK = 16
 
 
