@@ -26,10 +26,10 @@ from typing import Any
 
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError
 
 from dedup._redis.packing import pack
-from dedup._redis.script import Script
+from dedup._redis.script import Script, exchange
 
 __all__ = ["call_script"]
 
@@ -160,29 +160,7 @@ async def _settle(
 
 async def _exchange(pool: ConnectionPool, commands: list[bytes]) -> list[Any]:
     """Send ``commands`` (packed) in one write on one pooled connection and read their
-    replies in order, an error reply as its exception (as
-    :func:`dedup._redis.script.run_together` does). A connection error is retried as
-    the client's own commands are (the pool's ``Retry``); any other failure, a
-    cancellation included, closes the connection, so no unread reply is left on it."""
-    conn = await pool.get_connection()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
-    try:
-
-        async def once() -> list[Any]:
-            await conn.send_packed_command(b"".join(commands), check_health=False)
-            replies: list[Any] = []
-            for _ in commands:
-                try:
-                    replies.append(await conn.read_response())
-                except ResponseError as exc:  # the reply was read: the stream stays in step
-                    replies.append(exc)
-            return replies
-
-        async def failed(_: BaseException) -> None:
-            await conn.disconnect()
-
-        return list(await conn.retry.call_with_retry(once, failed))
-    except BaseException:
-        await conn.disconnect(nowait=True)
-        raise
-    finally:
-        await pool.release(conn)
+    replies in order, an error reply as its exception (:func:`dedup._redis.script.exchange`:
+    connection errors retried with the pool's ``Retry``, any other failure closing the
+    connection, so no unread reply is left on it)."""
+    return await exchange(pool, b"".join(commands), len(commands))
