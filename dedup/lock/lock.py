@@ -421,8 +421,12 @@ class Lock(RedisLock):
 
     async def _release_call(self, token: bytes) -> int:
         """One release of ``token`` on the server: the holds left, -1 if not held."""
+        return int(await self._send_release(token))
+
+    def _send_release(self, token: bytes) -> asyncio.Future[Any]:
+        """Send the release script for ``token``: a future of its reply."""
         keys = [self._key, self._flag_key]
-        return int(await self._eval(self._release_script, keys, [token, RELEASE_CHANNEL]))
+        return call_script(self.redis, self._release_script, keys, [token, RELEASE_CHANNEL])
 
     def _granted(self, token: bytes, fence: int, sent: float) -> None:
         if self.reentrant and self._depth > 0 and token == self.local.token:
@@ -674,8 +678,7 @@ class Lock(RedisLock):
         settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         call = None if self.reentrant else self._hand_over(token)
         if call is None:
-            keys = [self._key, self._flag_key]
-            call = call_script(self.redis, self._release_script, keys, [token, RELEASE_CHANNEL])
+            call = self._send_release(token)
 
         def answered(call: asyncio.Future[Any]) -> None:
             if call.cancelled():
