@@ -289,17 +289,10 @@ class Claims:
         their values saved this way, a round trip per statement fewer."""
         assert not self._cluster, "one round trip for two steps needs one Redis server"
         assert isinstance(self._client, Redis)
-        calls: list[ScriptCall] = []
-        if keys:
-            script, build = await self._commit_script()
-            calls.append((script, *build(keys)))
-            self._stats.redis_batches += 1
-        if not calls and not commands:
-            return [], 0
-        results, trips = await run_together(self._client, calls, commands)
+        script, build = await self._commit_script()
+        self._stats.redis_batches += 1
+        results, trips = await run_together(self._client, [(script, *build(keys))], commands)
         self._stats.redis_round_trips += trips
-        if not keys:
-            return results, 0
         return results[:-1], int(results[-1])
 
     async def _commit_script(
