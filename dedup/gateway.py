@@ -197,6 +197,13 @@ class Gateway(RunOnceMixin):
             self._kind_ok(validate_kind(kind))
         if type(value) is not str:
             validate_value(value, self._limits)
+        if payload is None and self._state == "open":
+            # A repeat of a value lately answered locally, found by its text (SavedCache
+            # fronts): the same text was checked then, so it is valid now.
+            front = self._local.fronts.get(kind)
+            if front is not None and value in front:
+                self._stats.local += 1
+                return _LOCAL
         try:
             raw = value.encode()
         except UnicodeEncodeError:
@@ -215,6 +222,7 @@ class Gateway(RunOnceMixin):
             if saved.pop(local_key, 0) is None:  # found: now the most recently used
                 saved[local_key] = None
                 self._stats.local += 1
+                self._local.promote(kind, value)
                 return _LOCAL
         fut, shared = engine.flights.join(
             self._keys.key(kind, digest), kind, value, digest, payload_json

@@ -65,6 +65,23 @@ async def test_first_save_writes_then_local(gw: Gateway) -> None:
     assert (stats.write, stats.local, stats.db_statements, stats.db_rows_sent) == (2, 1, 2, 2)
 
 
+async def test_repeat_answered_by_its_text_keeps_the_checks(gw: Gateway) -> None:
+    """A repeat answered from the local tier is kept by its text, so that the next one
+    skips the digest: it is still a local answer, a bad payload is still refused, and a
+    closed gateway answers nothing (test_closed_gateway_refuses)."""
+    assert (await gw.save("email", "t@example.com")).created
+    assert (await gw.save("email", "t@example.com")).source == "local"  # by its digest
+    assert "t@example.com" in gw._local.fronts["email"]
+    again = await gw.save("email", "t@example.com")  # by its text
+    assert (again.created, again.source) == (False, "local")
+    assert gw.stats().local == 2
+    with pytest.raises(InvalidInput, match="payload"):
+        await gw.save("email", "t@example.com", payload={"x": float("nan")})
+    assert (await gw.save("email", "t@example.com", payload={"x": 1})).source == "local"
+    assert (await gw.save("phone", "t@example.com")).created  # another kind: another value
+    assert gw.stats().local == 3
+
+
 async def test_redis_tier_answers_for_another_gateway(redis_url: str, database_url: str) -> None:
     async with (
         Gateway(redis_url, database_url) as one,
@@ -571,6 +588,7 @@ async def test_closed_gateway_refuses(redis_url: str, database_url: str) -> None
     gw = Gateway(redis_url, database_url)
     await gw.open()
     assert (await gw.save("email", "early")).created
+    assert (await gw.save("email", "early")).source == "local"  # now kept by its text too
     await gw.aclose()
     with pytest.raises(DedupError, match="closed"):
         await gw.save("email", "early")  # not even from the local tier

@@ -106,6 +106,32 @@ def test_saved_cache_is_a_bounded_lru() -> None:
         SavedCache(-1)
 
 
+def test_saved_cache_fronts_keep_answered_values_by_text_bounded() -> None:
+    # A value answered from the tier is kept by its text too (values of up to 128
+    # characters); the fronts never hold more than 8,192 values (nor more than the
+    # tier's size), are emptied when full, and cleared with the tier.
+    cache = SavedCache(100_000)
+    cache.promote("k", "a@example.com")
+    cache.promote("k", "a@example.com")  # once is enough
+    cache.promote("other", "a@example.com")
+    cache.promote("k", "x" * 129)  # too long: found by its digest only
+    assert cache.fronts == {"k": {"a@example.com": None}, "other": {"a@example.com": None}}
+    for i in range(8192 - 2):
+        cache.promote("k", f"v{i}")
+    assert sum(map(len, cache.fronts.values())) == 8192
+    cache.promote("k", "one more")  # full: emptied, then this one kept
+    assert cache.fronts == {"k": {"one more": None}}
+    cache.clear()
+    assert cache.fronts == {}
+    small = SavedCache(3)
+    for v in "abcd":
+        small.promote("k", v)
+    assert sum(map(len, small.fronts.values())) <= 3
+    disabled = SavedCache(0)
+    disabled.promote("k", "a")
+    assert disabled.fronts == {}
+
+
 def test_saved_cache_add_many_is_add_in_bulk() -> None:
     # The fleet's saved values are learned in bulk: the same entries, order and bound
     # as one add each.

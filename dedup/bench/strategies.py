@@ -184,8 +184,14 @@ class _DbOnly:
         self.tasks: set[asyncio.Task[None]] = set()
 
     async def save(self, value: str) -> bool:
+        # The same local tier as the Gateway's, its fronts included (a repeat found by
+        # its text), so that the baseline is as fast as dedup's own repeats.
+        front = self.local.fronts.get(KIND)
+        if front is not None and value in front:
+            return False
         d = digest(value)
         if (KIND, d) in self.local:
+            self.local.promote(KIND, value)
             return False
         fut = self.inflight.get(d)
         if fut is not None:
