@@ -222,7 +222,7 @@ class Gateway(RunOnceMixin):
             if saved.pop(local_key, 0) is None:  # found: now the most recently used
                 saved[local_key] = None
                 self._stats.local += 1
-                self._local.promote(kind, value)
+                self._local.promote(kind, value, local_key)
                 return _LOCAL
         fut, shared = engine.flights.join(
             self._keys.key(kind, digest), kind, value, digest, payload_json

@@ -111,25 +111,52 @@ def test_saved_cache_fronts_keep_answered_values_by_text_bounded() -> None:
     # characters); the fronts never hold more than 8,192 values (nor more than the
     # tier's size), are emptied when full, and cleared with the tier.
     cache = SavedCache(100_000)
-    cache.promote("k", "a@example.com")
-    cache.promote("k", "a@example.com")  # once is enough
-    cache.promote("other", "a@example.com")
-    cache.promote("k", "x" * 129)  # too long: found by its digest only
-    assert cache.fronts == {"k": {"a@example.com": None}, "other": {"a@example.com": None}}
+    key = cache.key("k", b"\x01" * 16)
+    cache.promote("k", "a@example.com", key)
+    cache.promote("k", "a@example.com", key)  # once is enough
+    cache.promote("other", "a@example.com", cache.key("other", b"\x01" * 16))
+    cache.promote("k", "x" * 129, key)  # too long: found by its digest only
+    assert {kind: list(front) for kind, front in cache.fronts.items()} == {
+        "k": ["a@example.com"],
+        "other": ["a@example.com"],
+    }
     for i in range(8192 - 2):
-        cache.promote("k", f"v{i}")
+        cache.promote("k", f"v{i}", cache.key("k", i.to_bytes(16, "big")))
     assert sum(map(len, cache.fronts.values())) == 8192
-    cache.promote("k", "one more")  # full: emptied, then this one kept
-    assert cache.fronts == {"k": {"one more": None}}
+    cache.promote("k", "one more", key)  # full: emptied, then this one kept
+    assert cache.fronts == {"k": {"one more": key}}
     cache.clear()
     assert cache.fronts == {}
     small = SavedCache(3)
     for v in "abcd":
-        small.promote("k", v)
+        small.promote("k", v, small.key("k", v.encode() * 16))
     assert sum(map(len, small.fronts.values())) <= 3
     disabled = SavedCache(0)
-    disabled.promote("k", "a")
+    disabled.promote("k", "a", 1)
     assert disabled.fronts == {}
+
+
+def test_saved_cache_fronts_keep_their_values_in_the_tier() -> None:
+    # A value answered from the fronts is never looked up in the tier, which then takes
+    # in values enough to evict it; when the fronts are emptied, their values are made
+    # the most recently used in the tier again (added back if evicted), so that the
+    # value is still a local answer afterwards, not a first sighting sent to Redis.
+    cache = SavedCache(20_000)
+    hot = (b"\xaa" * 16, b"\xbb" * 16)
+    for d in hot:
+        cache.add("k", d)
+        assert ("k", d) in cache
+        cache.promote("k", d.hex(), cache.key("k", d))
+    # Answered by their text from now on; meanwhile the tier fills with new values.
+    newer = [i.to_bytes(16, "big") for i in range(20_000)]
+    cache.add_many("k", newer)
+    assert all(("k", d) not in cache for d in hot)  # aged out of the tier...
+    for i in range(8_191):  # ...until the fronts fill up and are emptied
+        cache.promote("k", f"v{i}", cache.key("k", (50_000 + i).to_bytes(16, "big")))
+    assert all(d.hex() not in cache.fronts["k"] for d in hot)
+    assert all(("k", d) in cache for d in hot)  # back in the tier
+    assert len(cache) <= 20_000
+    assert ("k", newer[-1]) in cache and ("k", newer[0]) not in cache  # LRU order kept
 
 
 def test_saved_cache_add_many_is_add_in_bulk() -> None:

@@ -191,7 +191,7 @@ class _DbOnly:
             return False
         d = digest(value)
         if (KIND, d) in self.local:
-            self.local.promote(KIND, value)
+            self.local.promote(KIND, value, self.local.key(KIND, d))
             return False
         fut = self.inflight.get(d)
         if fut is not None:
