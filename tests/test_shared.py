@@ -704,6 +704,33 @@ async def test_hot_key_queued_behind_a_slow_writer_keeps_its_lease(
     assert not ledger.errors
 
 
+async def test_a_writer_of_one_row_a_statement_pops_one_row(redis_url: str, pg_url: str) -> None:
+    """``max_batch=1``: every statement of the fleet's writer has one row, even when its
+    blocking pop finds a queue of many (a pop for the rest, 0 rows, takes none)."""
+    sink = open_sink(pg_url, pool_size=4, statement_timeout_ms=5000)
+    sizes: list[int] = []
+
+    async def write(rows: Sequence[Row]) -> list[tuple[str, bytes]]:
+        sizes.append(len(rows))
+        return await sink(rows)
+
+    write.identity = sink.identity  # type: ignore[attr-defined]
+    await sink.open()
+    try:
+        async with Gateway(redis_url, sink=write, max_batch=1, **SHARED) as writer:
+            await until("a writer", lambda: _shared(writer).writer)
+            async with Gateway(redis_url, pg_url, **SHARED) as claimant:
+                await until("listening", lambda: _shared(claimant).active)
+                values = [("email", f"one{i}") for i in range(60)]
+                results = await claimant.save_many(values)  # one claim queues all 60
+                queued = claimant.stats().shared_rows_queued
+    finally:
+        await sink.aclose()
+    assert all(r.created for r in results)
+    assert queued > 0 and sizes
+    assert max(sizes) == 1, sizes
+
+
 async def test_full_queue_claimants_write_their_own_rows(
     redis_url: str, pg_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

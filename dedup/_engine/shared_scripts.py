@@ -73,8 +73,13 @@ POP = """
 -- The rows are taken off before any is read, so no row can wedge the queue's head.
 local term, lease, prefix = ARGV[2], ARGV[4], ARGV[5]
 redis.call('SET', KEYS[2], term, 'PX', ARGV[3])
-local rows = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
-if #rows > 0 then redis.call('LTRIM', KEYS[1], #rows, -1) end
+-- A count of 0 takes nothing (LRANGE 0 -1 would take the whole queue): a writer of one
+-- row a statement holds the row its blocking pop took, and pops no more.
+local rows = {}
+if tonumber(ARGV[1]) > 0 then
+  rows = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
+  if #rows > 0 then redis.call('LTRIM', KEYS[1], #rows, -1) end
+end
 -- A row: <key length, 2 bytes big-endian><lease key><queued token>|<signed message>
 local function hold(row)
   local hi, lo = string.byte(row, 1, 2)
