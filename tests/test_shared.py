@@ -28,6 +28,8 @@ from redis.asyncio import Redis
 
 from dedup import ConfigError, Gateway, Row, SaveResult
 from dedup._claims.keys import KeySpace
+from dedup._engine.flights import Flight
+from dedup._engine.shared import _Queued
 from dedup._engine.shared_wire import Wire
 from dedup._values import Limits, digest
 from dedup.options import GatewayOptions
@@ -704,6 +706,27 @@ async def test_hot_key_queued_behind_a_slow_writer_keeps_its_lease(
     assert not ledger.errors
 
 
+async def test_a_row_too_close_to_its_deadline_is_written_by_its_claimant(
+    redis_url: str, pg_url: str
+) -> None:
+    """A winner whose caller cannot wait for the writer and still leave a write budget
+    before its deadline is not queued: its claimant writes it (created=True), rather
+    than queueing it and having its take-back come due at once, or after the deadline."""
+    # An 800 ms lease: a write budget of 0.48 s; a row is queued only with more than
+    # that and 0.2 s left. A 0.5 s wait leaves less, a 30 s wait much more.
+    near_options: dict[str, Any] = {**SHARED, "wait_timeout_s": 0.5}
+    async with Gateway(redis_url, pg_url, namespace="near-deadline", **near_options) as near:
+        await until("listening", lambda: _shared(near).active)
+        results = await near.save_many([("email", f"near{i}") for i in range(50)])
+        assert all(r.created for r in results)
+        assert near.stats().shared_rows_queued == 0
+    async with Gateway(redis_url, pg_url, namespace="near-deadline", **SHARED) as far:
+        await until("listening", lambda: _shared(far).active)
+        results = await far.save_many([("email", f"far{i}") for i in range(50)])
+        assert all(r.created for r in results)
+        assert far.stats().shared_rows_queued > 0
+
+
 async def test_a_writer_of_one_row_a_statement_pops_one_row(redis_url: str, pg_url: str) -> None:
     """``max_batch=1``: every statement of the fleet's writer has one row, even when its
     blocking pop finds a queue of many (a pop for the rest, 0 rows, takes none)."""
@@ -729,6 +752,35 @@ async def test_a_writer_of_one_row_a_statement_pops_one_row(redis_url: str, pg_u
     assert all(r.created for r in results)
     assert queued > 0 and sizes
     assert max(sizes) == 1, sizes
+
+
+async def test_a_due_row_whose_take_back_is_under_way_still_gets_an_answer(
+    redis_url: str, pg_url: str
+) -> None:
+    """A queued row's deadline re-check comes while another take-back of the same row (a
+    renewal's, or an "r" word's) is under way, which leaves it with the writer, and the
+    writer's word is then lost: the caller must still get an answer, here by claiming
+    the value again once nobody holds it, not wait for ever."""
+    async with Gateway(redis_url, pg_url, namespace="due-race", **SHARED) as gw:
+        engine, shared = gw._engine, _shared(gw)
+        assert engine is not None
+        # Its own writer, popping: the renewals see a live term and leave the row be.
+        await until("a writer", lambda: shared.writer)
+        loop = asyncio.get_running_loop()
+        kind, value = "email", "due@example.com"
+        d = digest(value)
+        key = gw._keys.key(kind, d)
+        waiter: asyncio.Future[Any] = loop.create_future()
+        flight = Flight(key, kind, value, d, None, waiter, loop.time() + WAIT_S)
+        flight.shared = True  # its row went to the writer's queue
+        engine.flights.inflight[key] = flight
+        entry = _Queued(flight, 1, f"{shared._claims.token}#1", None)
+        shared._pending[key] = entry
+        entry.returning = True  # the other take-back, under way
+        await shared.take_back([flight], due=True)  # the claim stage's deadline re-check
+        entry.returning = False  # it ends: the row stays the writer's, whose word is lost
+        # No lease holds the value: the next look takes it over and writes it here.
+        assert await asyncio.wait_for(waiter, WAIT_S) == "write"
 
 
 async def test_full_queue_claimants_write_their_own_rows(

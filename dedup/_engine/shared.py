@@ -275,8 +275,9 @@ class SharedWrites:
         enough time to write it. Either the writer or this gateway writes it, never both.
         """
         # Queue only a row whose caller can still wait for the writer a while and then,
-        # with no word, have it written here before its deadline.
-        soon = self._loop.time() - self._write_budget_s + _IDLE_S
+        # with no word, have it written here before its deadline: its take-back is due a
+        # write budget before the deadline (see settle), so that must be ahead of now.
+        soon = self._loop.time() + self._write_budget_s + _IDLE_S
         queued = [f for f in claiming if f.deadline > soon]
         if not queued:
             return None
@@ -356,9 +357,16 @@ class SharedWrites:
         entries = []
         for f in flights:
             entry = self._pending.get(f.key)
-            if entry is not None and entry.flight is f and not entry.returning:
+            if entry is None or entry.flight is not f:
+                continue
+            if not entry.returning:
                 entry.returning = True
                 entries.append(entry)
+            elif due:
+                # Another take-back of it (a renewal's, or an "r" word's) is under way and
+                # may leave it with a writer; this due one was its deadline's re-check, so
+                # it waits as a busy value does, or the flight would wait with no end.
+                self._waits.wait(f)
         if not entries:
             return
         started = self._loop.time()
