@@ -8,6 +8,7 @@ hides the pieces of such a password that a parser's complaint may quote;
 
 from __future__ import annotations
 
+import getpass
 import os
 import re
 import socket
@@ -94,7 +95,9 @@ def database_identity(url: str) -> str:
     Gateways share a writer only when their sinks' identities are equal, so two URLs
     that could reach different databases must never give one identity. A host on this
     machine (loopback, a unix socket) and a SQLite file therefore carry the machine's
-    name: ``postgresql://localhost/app`` on two machines names two databases.
+    name: ``postgresql://localhost/app`` on two machines names two databases. A part the
+    URL leaves out is read where asyncpg reads it: ``PGHOST`` (and ``PGSERVICE``),
+    ``PGPORT``, ``PGUSER`` (else the OS user), ``PGDATABASE`` (else the user).
     """
     if url.startswith("sqlite:///"):
         path = os.path.realpath(unquote(url[len("sqlite:///") :].split("?", 1)[0]))
@@ -105,11 +108,29 @@ def database_identity(url: str) -> str:
         for name, value in parse_qsl(parts.query, keep_blank_values=True)
         if "password" not in name.lower()
     )
+    # A part the URL leaves out is filled in by asyncpg (as by libpq) from the PG*
+    # variables, then from its defaults: so is the identity, or two processes with one
+    # URL and different environments (PGHOST=db1 / db2, say) would share a writer.
+    env = os.environ
+    named = dict(query)
     host = (parts.hostname or "").lower()
-    socket_dir = dict(query).get("host", "")
-    if host in _LOCAL_HOSTS or socket_dir.startswith("/"):
+    if not host and "host" not in named:
+        host = env.get("PGHOST", "").lower()
+        if "service" not in named and env.get("PGSERVICE"):
+            query.append(("service", env["PGSERVICE"]))
+    socket_dir = named.get("host", "")
+    if host in _LOCAL_HOSTS or host.startswith("/") or socket_dir.startswith("/"):
         host = f"{host}@{socket.gethostname()}"
-    user = unquote(parts.username or "")
-    database = unquote(parts.path.lstrip("/"))
+    user = unquote(parts.username or "") or env.get("PGUSER", "") or _os_user()
+    database = unquote(parts.path.lstrip("/")) or env.get("PGDATABASE", "") or user
+    port = parts.port or env.get("PGPORT", "") or 5432
     options = "&".join(f"{name}={value}" for name, value in query)
-    return f"postgresql://{user}@{host}:{parts.port or 5432}/{database}?{options}"
+    return f"postgresql://{user}@{host}:{port}/{database}?{options}"
+
+
+def _os_user() -> str:
+    """The user asyncpg connects as when neither the URL nor PGUSER names one."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a bare container): asyncpg fails too
+        return ""

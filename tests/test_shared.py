@@ -331,6 +331,44 @@ def test_sink_identity_names_the_database_without_its_password() -> None:
     assert default_identity("sqlite:///tmp/./x.db") == default_identity("sqlite:///tmp/x.db")
 
 
+def test_sink_identity_reads_what_the_url_leaves_out_where_asyncpg_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One URL that names no host, port, user or database reaches the database the PG*
+    variables name (asyncpg reads them): two processes whose variables differ must not
+    share a writer, so their identities differ; a part the URL names wins over them."""
+    for name in ("PGHOST", "PGPORT", "PGUSER", "PGDATABASE", "PGSERVICE"):
+        monkeypatch.delenv(name, raising=False)
+    bare = "postgresql:///"
+    plain = default_identity(bare)
+    seen = {plain}
+    for name, value in [
+        ("PGHOST", "db1.internal"),
+        ("PGPORT", "5433"),
+        ("PGUSER", "svc"),
+        ("PGDATABASE", "orders"),
+        ("PGSERVICE", "billing"),
+    ]:
+        monkeypatch.setenv(name, value)
+        identity = default_identity(bare)
+        assert identity not in seen, (name, identity)
+        seen.add(identity)
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PGHOST", "db1.internal")
+    one = default_identity(bare)
+    monkeypatch.setenv("PGHOST", "db2.internal")
+    assert default_identity(bare) != one
+    # A URL that names every part reaches the same database whatever the variables say.
+    full = "postgresql://app@db.internal:5432/app"
+    named = default_identity(full)
+    for name, value in [("PGPORT", "5433"), ("PGUSER", "svc"), ("PGDATABASE", "orders")]:
+        monkeypatch.setenv(name, value)
+    assert default_identity(full) == named
+    # A host taken from PGHOST on this machine (a socket folder) is this machine's.
+    monkeypatch.setenv("PGHOST", "/run/postgresql")
+    assert socket.gethostname() in default_identity(bare)
+
+
 async def test_a_sink_without_identity_writes_only_its_own_rows(redis_url: str) -> None:
     async def sink(rows: Sequence[Row]) -> list[tuple[str, bytes]]:
         return [(r.kind, r.digest) for r in rows]
