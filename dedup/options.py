@@ -134,6 +134,15 @@ class GatewayOptions:
             _whole(self, "write_timeout_ms", 1)
         if not 0 < self.write_timeout_ms_effective < self.lease_ms:
             raise ConfigError("write_timeout_ms must be positive and below lease_ms")
+        # A winner writes only with the statement's bound and a margin (write_budget_s)
+        # left of its lease, else it renews the lease first: with less than a tenth of the
+        # lease around that, no claim would come back soon enough for any winner to write.
+        most = math.floor(0.9 * self.lease_ms - min(250, self.lease_ms / 10))
+        if self.write_timeout_ms_effective > most:
+            raise ConfigError(
+                f"write_timeout_ms ({self.write_timeout_ms_effective}) must leave a tenth of "
+                f"lease_ms ({self.lease_ms}) after it and its margin: at most {most}"
+            )
         if self.shared_writes not in SHARED_WRITES:
             raise ConfigError(f"shared_writes must be one of {', '.join(SHARED_WRITES)}")
         if self.shared_writes == "on" and self.cluster:

@@ -40,7 +40,7 @@ import asyncpg
 import pytest
 from redis.asyncio import Redis
 
-from dedup import DedupError, Gateway, Overloaded, Row, SaveResult, Unavailable
+from dedup import DedupError, Gateway, Overloaded, Row, SaveResult, Unavailable, WaitTimeout
 from dedup._values import digest
 from dedup.store import pg_insert
 from dedup.store.migrate import upgrade_async
@@ -506,6 +506,35 @@ async def test_slow_redis_one_gateway_degraded_the_other_not(
     assert set(ledger.errors) <= {"Unavailable"}
     # Both gateways created rows, yet never the same one twice (checked above).
     assert slow_stats.write > 0 and direct_stats.write > 0
+
+
+async def test_redis_slower_than_the_lease_allows_still_ends_each_wait(
+    redis_url: str, pg_url: str
+) -> None:
+    """Claims that come back later than the lease leaves room for a statement (100 ms
+    lease, 50 ms statement bound and 10 ms margin: a winner writes within 40 ms of its
+    claim; Redis answers in 60 ms): no winner can write, so each is claimed again to
+    renew its lease, and the caller gets WaitTimeout by wait_timeout_s rather than
+    waiting while that goes round for ever. Faster answers, and the same value saves."""
+    target = urlsplit(redis_url)
+    assert target.hostname is not None and target.port is not None
+    async with (
+        SlowProxy(target.hostname, target.port) as proxy,
+        Gateway(proxy.url, pg_url, lease_ms=100, wait_timeout_s=1.0) as gw,
+    ):
+        proxy.delay_s = 0.06
+        started = time.monotonic()
+        with pytest.raises(WaitTimeout):
+            await asyncio.wait_for(gw.save("email", "slow@example.com"), WAIT_S)
+        waited = time.monotonic() - started
+        stats = gw.stats()
+        assert stats.wait_timeouts == 1 and stats.reclaims > 0 and stats.write == 0
+        assert not gw.degraded  # slow, not failing: the circuit stays closed
+        proxy.delay_s = 0.0
+        result = await asyncio.wait_for(gw.save("email", "slow@example.com"), WAIT_S)
+    assert result.created
+    assert waited < WAIT_S / 2  # ended by its own bound, not by this test's
+    assert await table(pg_url) == {("email", "slow@example.com")}
 
 
 # -------------------------------------------------------------------------------- database

@@ -109,6 +109,9 @@ def test_derived_values() -> None:
     assert GatewayOptions(redis_url="redis://h:1").shards == 0
     assert GatewayOptions().migrate_at_open
     assert not GatewayOptions(database_url="postgresql://h/db").migrate_at_open
+    # The longest statement bounds that still leave a tenth of the lease to write in.
+    assert GatewayOptions(lease_ms=1000, write_timeout_ms=800).write_budget_s == 0.9
+    assert GatewayOptions(lease_ms=100, write_timeout_ms=80).write_timeout_s == 0.08
 
 
 @pytest.mark.parametrize(
@@ -116,6 +119,9 @@ def test_derived_values() -> None:
     [
         ({"lease_ms": 50}, "lease_ms must be at least 100"),
         ({"lease_ms": 1000, "write_timeout_ms": 1000}, "below lease_ms"),
+        # 950 ms of 1,000 would leave no winner time to write: every one renews for ever.
+        ({"lease_ms": 1000, "write_timeout_ms": 801}, "at most 800"),
+        ({"lease_ms": 100, "write_timeout_ms": 81}, "at most 80"),
         ({"max_batch": 0}, "max_batch must be at least 1"),
         ({"max_batch": 600, "max_pending": 500}, "must not exceed max_pending"),
         ({"wait_timeout_s": 0}, "wait_timeout_s must be a finite number above 0"),

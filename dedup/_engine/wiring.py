@@ -135,6 +135,7 @@ class Engine:
             loop,
             claims=backends.claims,
             rows=rows,
+            flights=self.flights,
             stats=stats,
             degraded=self.degraded,
             lease_s=options.lease_s,
@@ -233,12 +234,17 @@ class Engine:
 
     async def _write(self, batch: list[Flight]) -> None:
         """A write batch: winners short of lease are claimed again (renewing it) at once,
-        the others written."""
+        or given up once their callers' wait is over; the others written."""
         fresh, stale = self.write_stage.split(batch)
+        late: list[Flight] = []
         if stale:
-            self.claim_queue.extend(stale)
+            now = self._loop.time()
+            late = [f for f in stale if f.deadline <= now]
+            self.claim_queue.extend([f for f in stale if f.deadline > now] if late else stale)
         if fresh:
             await self.write_stage.run(fresh)
+        if late:
+            await self.write_stage.give_up(late)
 
     def _divert(self, flights: list[Flight]) -> bool:
         """At a queue's flush: while Redis is skipped, degraded mode takes the whole queue."""

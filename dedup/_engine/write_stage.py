@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 from dedup._claims.protocol import Claims
 from dedup._engine.degraded import DegradedMode
 from dedup._engine.flights import Flight, FlightTable
-from dedup.errors import Unavailable
+from dedup.errors import Unavailable, WaitTimeout
 from dedup.metrics import Stats
 from dedup.types import BatchWriter, Row
 
@@ -131,7 +131,8 @@ class WriteStage:
     statement: they are for the caller to claim again (renewing the lease).
     """
 
-    __slots__ = ("_claims", "_degraded", "_loop", "_renew_after_s", "_rows", "_stats")
+    __slots__ = ("_claims", "_degraded", "_flights", "_loop", "_renew_after_s", "_rows",
+                 "_stats")  # fmt: skip
 
     def __init__(
         self,
@@ -139,6 +140,7 @@ class WriteStage:
         *,
         claims: Claims,
         rows: RowWriter,
+        flights: FlightTable,
         stats: Stats,
         degraded: DegradedMode,
         lease_s: float,
@@ -147,6 +149,7 @@ class WriteStage:
         self._loop = loop
         self._claims = claims
         self._rows = rows
+        self._flights = flights
         self._stats = stats
         self._degraded = degraded
         # A winner writes only if the statement can finish inside its lease with a margin.
@@ -154,7 +157,8 @@ class WriteStage:
 
     def split(self, batch: list[Flight]) -> tuple[list[Flight], list[Flight]]:
         """The winners of ``batch`` with lease enough left for a statement, and those
-        with too little, to be claimed again (renewing the lease) before writing."""
+        with too little, to be claimed again (renewing the lease) before writing, or
+        given up (:meth:`give_up`) once their callers' wait is over."""
         now = self._loop.time()
         limit = self._renew_after_s
         fresh = [f for f in batch if now - f.claimed_at <= limit]
@@ -188,6 +192,16 @@ class WriteStage:
             log.warning("could not mark %d saved values in Redis: %s", len(keys), exc)
         else:
             self._degraded.success()
+
+    async def give_up(self, batch: list[Flight]) -> None:
+        """Winners short of lease whose callers' deadline has passed: release their leases,
+        then fail them with :class:`WaitTimeout`. A Redis whose claims come back later
+        than the lease leaves room for would otherwise send them round for ever."""
+        await self._abort([f.key for f in batch])
+        self._stats.wait_timeouts += len(batch)
+        message = "Redis answered too slowly to write this value within its lease in time"
+        for f in batch:
+            self._flights.fail(f, lambda: WaitTimeout(message))
 
     async def _abort(self, keys: list[bytes]) -> None:
         if self._degraded.active:
