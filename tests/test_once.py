@@ -121,6 +121,31 @@ async def test_a_value_saved_by_plain_save_does_not_run(gw: Gateway) -> None:
     assert await send("with-payload@example.com") == {"old": True}
 
 
+async def test_a_save_during_a_run_in_the_same_process_waits_for_the_run(gw: Gateway) -> None:
+    """A plain save of a value that a run-once call of the same Gateway is running waits
+    for that run, as a save in another process does: it does not take the run's lease
+    as its own, write the row without the run's result and end the run's lease."""
+    started, finish = asyncio.Event(), asyncio.Event()
+
+    @gw.once("mail")
+    async def send(address: str) -> dict[str, str]:
+        started.set()
+        await finish.wait()
+        return {"sent": address}
+
+    run = asyncio.ensure_future(send("during@example.com"))
+    await asyncio.wait_for(started.wait(), DEADLINE_S)
+    save = asyncio.create_task(gw.save("mail", "during@example.com"))
+    await asyncio.sleep(0.5)
+    assert not save.done()  # waiting for the run (it would have written in ~ms)
+    finish.set()
+    assert await asyncio.wait_for(run, DEADLINE_S) == {"sent": "during@example.com"}
+    result = await asyncio.wait_for(save, DEADLINE_S)
+    assert not result.created
+    assert await gw.get("mail", "during@example.com") == {"sent": "during@example.com"}
+    assert await gw.count_rows(["mail"]) == 1
+
+
 async def test_a_row_without_a_marker_is_found_in_the_database(redis_url: str, pg_url: str) -> None:
     async with Gateway(redis_url, pg_url) as first:
         assert (await first.save("mail", "x@example.com", "stored")).created

@@ -10,6 +10,7 @@ are sent in one pipeline: a round trip per node, whatever the number of slots.
 from __future__ import annotations
 
 import asyncio
+import copy
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -188,6 +189,14 @@ class Claims:
         # not waits).
         self._slot_calls = asyncio.Semaphore(max_parallel)
         self._scripts = None if variant is None else _SCRIPTS[variant]
+
+    def under_own_token(self) -> Claims:
+        """These claims (same client, layout and scripts) under a token of their own: the
+        leases they take and those taken through ``self`` exclude each other, as another
+        process's would, where ``self`` would extend its own lease."""
+        twin = copy.copy(self)
+        twin._token = "L" + secrets.token_hex(12)
+        return twin
 
     @property
     def variant(self) -> ScriptVariant | None:

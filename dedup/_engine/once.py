@@ -142,14 +142,17 @@ class RunOnceState:
     on first use, as it needs the open Gateway's claims).
 
     ``running``: the values being run here, each with a future done when the run
-    ends. Every call of one Gateway claims under the same token (a re-claim of its
-    own lease answers "won"), so two calls of one process meet here, not in Redis.
+    ends. Every run-once call of one Gateway claims under the same token (a re-claim
+    of its own lease answers "won"), so two calls of one process meet here, not in
+    Redis. That token is not the one of the Gateway's saves: a ``save()`` of a value
+    being run here waits for the run as a save in another process does, rather than
+    re-claim the run's lease as its own and write the row under it.
     """
 
     __slots__ = ("abort", "claim", "commit", "running")
 
     def __init__(self, parts: EngineParts) -> None:
-        claims = parts.claims
+        claims = parts.claims.under_own_token()
         gate = asyncio.Semaphore(1)
 
         async def claim(keys: list[bytes]) -> list[str]:
