@@ -508,6 +508,31 @@ async def test_slow_redis_one_gateway_degraded_the_other_not(
     assert slow_stats.write > 0 and direct_stats.write > 0
 
 
+async def test_calls_that_outnumber_the_pool_wait_for_a_connection(
+    fresh_redis: RedisServer, pg_url: str
+) -> None:
+    """Redis stalls for 0.6 s, well inside redis_timeout_s (2 s): the claim batches in
+    flight hold their connections, and readiness pings (a /readyz each) come on top, more
+    calls than the pool's connections. They wait for a connection; none is refused and
+    counted as Redis being down, so the circuit stays closed and every save succeeds."""
+    async with Gateway(fresh_redis.url, pg_url, shared_writes="off") as gw:
+        assert (await gw.save("email", "warm")).created
+        fresh_redis.pause()
+        try:
+            saves = [asyncio.ensure_future(gw.save("email", f"v{i}")) for i in range(3000)]
+            await asyncio.sleep(0.05)
+            pings = [asyncio.ensure_future(gw.ping(timeout_s=1.5)) for _ in range(12)]
+            await asyncio.sleep(0.6)
+        finally:
+            fresh_redis.resume()
+        answers = await asyncio.wait_for(asyncio.gather(*pings), WAIT_S)
+        results = await asyncio.wait_for(asyncio.gather(*saves), WAIT_S)
+        stats = gw.stats()
+        assert not gw.degraded and stats.breaker_opens == 0 and stats.redis_errors == 0
+    assert all(answer["redis"] for answer in answers)
+    assert all(r.created for r in results)
+
+
 async def test_redis_slower_than_the_lease_allows_still_ends_each_wait(
     redis_url: str, pg_url: str
 ) -> None:

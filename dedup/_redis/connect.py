@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -30,9 +30,12 @@ _PROBE_PX = 10_000
 def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis | RedisCluster:
     """A client for ``url`` (redis://, rediss://, unix:// or redis+cluster://).
 
-    The pool is sized by the caller, which bounds its own concurrent calls below
-    ``max_connections``: redis-py's default pool raises past its size instead of
-    waiting, and auto-pipelining needs only a few connections.
+    The pool is sized by the caller for its batches in flight. On one server a call
+    past ``max_connections`` waits up to ``timeout_s`` for a connection (a blocking
+    pool): redis-py's default pool raises at once instead, and a stall of Redis shorter
+    than the timeout, with readiness pings on top of the batches in flight, then read as
+    Redis being down and opened the circuit. (A cluster client's node pools still raise
+    past their size; its callers bound their calls per node.)
     """
     common: dict[str, Any] = {
         "socket_timeout": timeout_s,
@@ -65,7 +68,9 @@ def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis 
         retry = Retry(
             ExponentialBackoff(cap=0.05, base=0.005), 2, supported_errors=(ConnectionError,)
         )
-        pool = ConnectionPool.from_url(url, max_connections=max_connections, retry=retry, **common)
+        pool = BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout_s, retry=retry, **common
+        )
         # Batches of thousands of script arguments: pack them faster than redis-py does.
         pool.connection_class = fast_packing(pool.connection_class)
         pool.connection_class(**pool.connection_kwargs)  # builds options, opens nothing
