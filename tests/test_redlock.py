@@ -195,6 +195,10 @@ async def test_a_node_restarted_empty_does_not_vote(
         assert await holder.extend()
         await asyncio.sleep(0.3)
     assert await holder.extend()
+    # A longer grant would outlive what a restarted node waits before it votes again.
+    with pytest.raises(ConfigError, match="restart_guard"):
+        await holder.extend(ttl_s=10 * ttl)
+    assert await held_by(clients[:3]) == [holder.token] * 3  # the grant is kept as it was
     # Node 2 restarts empty: the holder's grant survives on nodes 0 and 1 only.
     nodes[2].restart()
     contender = Redlock(clients, "res", timeout=ttl, node_timeout_s=0.5)
@@ -204,6 +208,7 @@ async def test_a_node_restarted_empty_does_not_vote(
     unguarded = Redlock(clients, "res", timeout=ttl, node_timeout_s=0.5, restart_guard=False)
     assert await unguarded.acquire(blocking=False)
     assert await held_by(clients) == [holder.token] * 2 + [unguarded.token] * 3
+    assert await unguarded.extend(ttl_s=10 * ttl)  # no guard: any TTL
     await unguarded.release()
 
 

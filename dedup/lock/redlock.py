@@ -340,11 +340,22 @@ class Redlock:
         nodes still hold this token, or the extension took longer than its own
         validity, the lock is lost: it is released everywhere and
         :class:`~dedup.errors.LockNotOwned` is raised.
+
+        With ``restart_guard``, ``ttl_s`` may not exceed ``timeout`` (a
+        :class:`~dedup.errors.ConfigError` otherwise, the lock kept as it was): a node
+        votes again once up for ``timeout``, so a longer grant could outlive the
+        guard's wait on a node that restarted without it and be granted twice.
         """
         token = self.local.token
         if token is None:
             raise LockError("Cannot extend an unlocked lock", lock_name=self._lock_name())
         ttl = self.timeout if ttl_s is None else float(ttl_s)
+        if self.restart_guard and ttl > self.timeout:
+            raise ConfigError(
+                f"with restart_guard, an extension may not exceed the timeout ({self.timeout} "
+                f"s) that a restarted node waits before it votes: make the Redlock's timeout "
+                f"at least {ttl} s instead"
+            )
         start = time.monotonic()
         results = await self._all(_EXTEND, [token, math.ceil(ttl * 1000)])
         extended = sum(1 for r in results if r == 1)
