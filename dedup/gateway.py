@@ -288,7 +288,9 @@ class Gateway(RunOnceMixin):
     async def purge(self, kinds: Sequence[str]) -> None:
         """Delete this namespace's Redis keys and the default table's rows of ``kinds``.
 
-        For demos and tests that must start empty; never needed in normal use.
+        For demos and tests that must start empty; never needed in normal use. The keys
+        are matched by the namespace's prefix, so those of a namespace nested under this
+        one (``<namespace>:...``, whose leases and markers live on) go too.
         """
         sink, client = self._require_default_sink(), self._backends.redis
         assert client is not None  # open with the default sink: Redis is connected
