@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -32,9 +33,10 @@ from redis.exceptions import ConnectionError, LockError, LockNotOwnedError, Resp
 import dedup.errors
 from dedup.errors import ConfigError, InvalidInput, StaleFence
 from dedup.lock import RELEASE_CHANNEL, Lock, Redlock, check_fence, fenced_set
-from dedup.lock.fence import fence_key
+from dedup.lock.fence import fence_key, sibling_key
 from tests.lock_child import write_fenced
 from tests.servers import RedisServer
+from tests.slow_proxy import SlowProxy
 from tests.test_multiprocess import read_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -510,6 +512,30 @@ async def test_watchdog_sees_a_stolen_lock(r: Redis) -> None:
     assert await r.get("wd") == b"thief"
 
 
+async def test_watchdog_sets_lost_by_the_lease_end_while_a_renewal_hangs(
+    r: Redis, redis_url: str
+) -> None:
+    # A partition with redis-py's default socket_timeout (None): the renewal is never
+    # answered. "lost" must still come by the lease's end, as the clock says, not
+    # whenever (if ever) the renewal returns.
+    target = urlsplit(redis_url)
+    assert target.hostname is not None and target.port is not None
+    async with SlowProxy(target.hostname, target.port) as proxy:
+        client = Redis.from_url(proxy.url)
+        try:
+            lock = Lock(client, "wd", timeout=1, watchdog=True)
+            assert await lock.acquire(blocking=False)
+            proxy.delay_s = 3600.0  # every reply from now on: as good as never
+            stalled = time.monotonic()
+            await asyncio.wait_for(lock.lost.wait(), 3)
+            assert time.monotonic() - stalled < 1.5  # the lease is 1 s
+            # The renewal did reach Redis (only its reply hangs), so the key may live
+            # a moment longer; "lost" came first, and then another client takes it.
+            assert await Lock(r, "wd").acquire(blocking_timeout=DEADLINE_S)
+        finally:
+            await client.aclose()
+
+
 async def test_watchdog_needs_a_lease(r: Redis) -> None:
     with pytest.raises(ValueError, match="timeout"):
         Lock(r, "wd", watchdog=True)
@@ -608,6 +634,67 @@ async def test_one_subscription_for_all_waiters(r: Redis) -> None:
     assert sorted(done) == sorted(names * 4)
     # Without waiters the subscription ends by itself.
     await eventually(lambda: _is(subscribers(r), 0), "the subscription ended")
+
+
+async def test_tasks_handing_over_yield_to_another_client(redis_url: str) -> None:
+    # Two tasks of one client take turns: each release hands the lock to the other, and
+    # the queue of waiters is empty between handovers (each is forgotten then), so the
+    # count of handovers in a row must travel with the hold for the holder to yield
+    # after 16 to a waiter of another client (another pool: another process, to Redis).
+    here, there = Redis.from_url(redis_url), Redis.from_url(redis_url)
+    stop = False
+    grants = 0
+
+    async def take_turns() -> None:
+        nonlocal grants
+        while not stop:
+            lock = Lock(here, "hot", timeout=10)
+            assert await lock.acquire(blocking_timeout=DEADLINE_S)
+            grants += 1
+            await asyncio.sleep(0.002)
+            await lock.release()
+
+    async def warmed_up() -> bool:
+        return grants >= 20
+
+    tasks = [asyncio.create_task(take_turns()) for _ in range(2)]
+    try:
+        await eventually(warmed_up, "the tasks take turns")
+        other = Lock(there, "hot", timeout=10)
+        started = time.monotonic()
+        # 16 handovers take some 40 ms here; the bound is far above that.
+        assert await other.acquire(blocking_timeout=3)
+        assert time.monotonic() - started < 1.5
+        await other.release()
+    finally:
+        stop = True
+        await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE_S)
+        await here.aclose()
+        await there.aclose()
+
+
+async def test_a_handover_that_failed_halfway_leaves_no_stray_grant(r: Redis) -> None:
+    # A fence counter INCR cannot increment makes the handover script fail after it
+    # gave the lock to the waiter's token: the holder sees an error (outcome unknown),
+    # the waiter no grant. The waiter must not wait out a lease held by its own token.
+    holder = Lock(r, "half", timeout=30)
+    assert await holder.acquire(blocking=False)
+    waiter = Lock(r, "half", timeout=30, sleep=1.0)
+    task = asyncio.create_task(waiter.acquire(blocking_timeout=10))
+    await eventually(lambda: _is(subscribers(r), 1), "the waiter subscribed")
+    await eventually(lambda: _is(r.exists(sibling_key(b"half", b":waiting")), 1), "flagged")
+    await asyncio.sleep(0.1)  # its attempt answered; its next one is 0.5-1.5 s away
+    await r.set(fence_key(b"half"), b"not a number")
+    with pytest.raises(ResponseError):
+        await holder.release()
+    await r.delete(fence_key(b"half"))  # long before the waiter's next attempt
+    started = time.monotonic()
+    assert await asyncio.wait_for(task, DEADLINE_S)
+    assert time.monotonic() - started < 5  # not the 10 s of giving up, nor the 30 s lease
+    assert await r.get("half") == waiter.local.token
+    with pytest.raises(LockNotOwnedError):  # the handover had run: not the holder's any more
+        await holder.release()
+    await waiter.release()
 
 
 async def test_polling_without_release_signal(r: Redis) -> None:

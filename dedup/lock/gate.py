@@ -28,19 +28,37 @@ class Contender:
     """One blocked acquire of a plain lock: its token and lease, what wakes it, and a
     grant handed over by a holder of the same client."""
 
-    __slots__ = ("grant", "lease_ms", "left", "polite", "promoted", "token", "trying", "waiter")
+    __slots__ = (
+        "acquired",
+        "grant",
+        "lease_ms",
+        "left",
+        "polite",
+        "promoted",
+        "token",
+        "trying",
+        "unsure",
+        "waiter",
+    )
 
     def __init__(self, token: bytes, lease_ms: int, key: bytes) -> None:
         self.token = token
         self.lease_ms = lease_ms
         self.waiter = Waiter(key)  # replaced by the release listener's waiter, if any
         self.promoted: asyncio.Future[bool] | None = None
-        self.grant: tuple[int, float] | None = None  # (fence, sent) of a handover
+        # (fence, sent, streak) of a handover: streak is the handovers in a row that
+        # this grant ends, carried to the Lock that takes it, since the gate that
+        # counted them may be forgotten between two handovers.
+        self.grant: tuple[int, float, int] | None = None
         self.trying = False  # an attempt is in flight
         # Its client's holder just yielded to other clients: let the signal of that
-        # release pass, and try on the next one (or after the usual delay).
+        # release pass, and try on the next one (or after a short grace).
         self.polite = False
+        # A handover to it failed with an unknown outcome: the lock may be held by its
+        # token, which no grant told it of. It releases that token before trying again.
+        self.unsure = False
         self.left = False
+        self.acquired = False  # it left holding the lock
 
 
 class Gate:
@@ -50,19 +68,19 @@ class Gate:
     of this client hands the lock straight to the contender (one round trip for a
     release and a grant, no signal, no race)."""
 
-    __slots__ = ("contender", "loop", "queue", "streak")
+    __slots__ = ("contender", "loop", "queue")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.contender: Contender | None = None
         self.queue: collections.deque[Contender] = collections.deque()
-        self.streak = 0  # handovers in a row
 
     def leave(self, contender: Contender, acquired: bool) -> None:
         """``contender`` stops trying (it holds the lock, gave up or failed): the next
         in line becomes the contender; told to wait for a handover first if the lock
         is held here."""
         contender.left = True
+        contender.acquired = acquired
         if self.contender is not contender:
             with contextlib.suppress(ValueError):
                 self.queue.remove(contender)

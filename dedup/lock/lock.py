@@ -14,7 +14,8 @@ the token, and raises redis-py's ``LockError`` / ``LockNotOwnedError`` (as
 * ``watchdog=True``: the lease is renewed every third of ``timeout`` while the
   holding task lives (until the first renewal is due it is only a timer); it
   stops on release, when that task ends, after ``watchdog_cap_s``, or when a
-  renewal fails, and ``lock.lost`` is then set;
+  renewal fails (or is not answered by the lease's end), and ``lock.lost`` is then
+  set;
 * ``reentrant=True``: the same task may acquire again, through this object or any
   other Lock of the same name; the key is then a hash ``owner, count, fence`` and
   the lock is free when the count is back to zero;
@@ -150,8 +151,18 @@ def _task_token() -> bytes:
 # tasks) 1 and 4 gave 0.4-0.5x redis-py's acquisitions/s, 16 about 1.0-1.2x with the
 # longest wait a tenth of redis-py's; longer streaks add some rate but lengthen the
 # longest wait (64: 0.5 s; 256 and up: 2-3 s, tasks starving), and only those bring the
-# p99 near redis-py's (docs/locks.md, "The hot name's p99").
+# p99 near redis-py's (docs/locks.md, "The hot name's p99"). The count travels with the
+# hold (a handover's grant carries it to the Lock that takes it), not with the queue of
+# waiters, which is forgotten whenever it is empty: two tasks taking turns empty it at
+# every handover.
 _HANDOVER_STREAK = 16
+
+# How long a contender whose client's holder yielded waits before trying again: enough
+# for other clients' waiters, woken by the yield's signal, to take the lock first (a
+# switch between processes took 0.55-0.68 ms at the median, 1.8-3.7 ms at p99 in the
+# instrumented bench runs of docs/locks.md); short, since the flag that made the holder
+# yield may have been its own client's, and then nobody else comes.
+_YIELD_GRACE_S = 0.01
 
 
 # ------------------------------------------------------------------------------ Lock
@@ -176,7 +187,8 @@ class Lock(RedisLock):
     After a successful acquire, ``fence`` is the grant's fencing token and
     ``lost`` (an :class:`asyncio.Event`) is set if the lock is found lost while
     held: a renewal, extension or release found another token, a renewal kept
-    failing until the lease ended, or the watchdog's cap let the lease run out.
+    failing (or went unanswered) until the lease ended, or the watchdog's cap let
+    the lease run out.
     The lease's end is judged by the local clock from before the grant was sent,
     so ``lost`` may come a moment before Redis drops the key, never after.
 
@@ -234,6 +246,9 @@ class Lock(RedisLock):
         # At least 1 ms: 0 means "no expiry" to the scripts.
         self._lease_ms = max(1, int(timeout * 1000)) if timeout else 0
         self._depth = 0  # holds through this object (reentrant: per acquire)
+        # The handovers in a row within this client that ended in this object's hold
+        # (0: won by its own attempt); the next handover counts on from it.
+        self._streak = 0
         # The watchdog is a timer until its first renewal is due (most holds end
         # before), then a task.
         self._watchdog_timer: asyncio.TimerHandle | None = None
@@ -374,7 +389,8 @@ class Lock(RedisLock):
             or following.token == token
         ):
             return None
-        yield_turn = gate.streak >= _HANDOVER_STREAK
+        streak = self._streak  # of this hold, which ``token`` is
+        yield_turn = streak >= _HANDOVER_STREAK
         loop = asyncio.get_running_loop()
         sent = loop.time()
         following.trying = True  # nobody else hands it over meanwhile
@@ -398,21 +414,33 @@ class Lock(RedisLock):
                 reply = call.result()
                 status = int(reply[0])
             except Exception as exc:  # an error, or an answer that is not the script's
+                # The outcome is unknown: the script may have given the lock to the
+                # follower's token (its reply was lost, or it failed after its SET),
+                # a grant nobody would know of; the follower's own attempts would
+                # fail on that token until its lease ran out (never, without one).
+                if not following.left:
+                    following.unsure = True  # it releases that token before trying again
+                elif not following.acquired:
+                    # It gave up meanwhile: release that token for it.
+                    self._spawn(self._release_call(following.token), "release an unsure handover")
+                # (Left holding the lock, it won it with its own attempt: the lock was
+                # free, so this handover gave nothing, and that hold is its own.)
                 outcome.set_exception(exc)
                 return
             if status != 1:
                 if status == 0:
-                    gate.streak = 0
+                    # Yielded: the follower wins the lock, if at all, by its own
+                    # attempt, which starts a new streak.
                     following.polite = True
                 outcome.set_result(status)
                 return
             # A yield check that found no other client waiting starts a new streak.
-            gate.streak = 1 if yield_turn else gate.streak + 1
+            handed = 1 if yield_turn else streak + 1
             if following.left:
                 # It gave up while the handover was on its way: release its grant.
                 self._spawn(self._release_call(following.token), "release an unclaimed handover")
             else:
-                following.grant = (int(reply[1]), sent)
+                following.grant = (int(reply[1]), sent, handed)
                 following.waiter.event.set()
             outcome.set_result(0)
 
@@ -428,7 +456,9 @@ class Lock(RedisLock):
         keys = [self._key, self._flag_key]
         return call_script(self.redis, self._release_script, keys, [token, RELEASE_CHANNEL])
 
-    def _granted(self, token: bytes, fence: int, sent: float) -> None:
+    def _granted(self, token: bytes, fence: int, sent: float, streak: int = 0) -> None:
+        """``token`` holds the lock: by this object's own attempt, or handed over
+        (``streak``: the handovers in a row this one ends)."""
         if self.reentrant and self._depth > 0 and token == self.local.token:
             self._depth += 1
             return
@@ -437,6 +467,7 @@ class Lock(RedisLock):
         self.local.token = token
         self.fence = fence
         self._depth = 1
+        self._streak = streak
         self.lost.clear()
         if self.watchdog:
             assert self.timeout  # checked in __init__
@@ -521,8 +552,9 @@ class Lock(RedisLock):
             acquired = await self._wait_for_lock(raw, deadline, contender, held_here)
             return acquired
         finally:
-            if not acquired and contender.grant is not None:
-                # Handed the lock while giving up: give it back.
+            if not acquired and (contender.grant is not None or contender.unsure):
+                # Handed the lock while giving up (or perhaps handed it, by a handover
+                # whose outcome is unknown): give it back.
                 contender.grant = None
                 self._spawn(self._release_call(raw), "undo a handover")
             gate.leave(contender, acquired)
@@ -531,10 +563,22 @@ class Lock(RedisLock):
     def _take_grant(self, contender: Contender | None) -> bool:
         if contender is None or contender.grant is None:
             return False
-        fence, sent = contender.grant
+        fence, sent, streak = contender.grant
         contender.grant = None
-        self._granted(contender.token, fence, sent)
+        self._granted(contender.token, fence, sent, streak)
         return True
+
+    async def _drop_unsure(self, contender: Contender) -> None:
+        """Release the token that a handover of unknown outcome may have given
+        ``contender``, before it tries again: its attempts with that token cannot
+        win while the token holds the lock. No attempt of its own is in flight (its
+        attempts and this call follow each other), so no hold of its own is lost."""
+        contender.trying = True  # nobody hands it the lock meanwhile
+        try:
+            await self._release_call(contender.token)
+        finally:
+            contender.trying = False
+        contender.unsure = False  # only once done: a failure leaves it to acquire()
 
     async def _wait_for_lock(
         self,
@@ -571,6 +615,8 @@ class Lock(RedisLock):
                 if self._take_grant(contender):
                     acquired = True
                     return True
+                if contender is not None and contender.unsure:
+                    await self._drop_unsure(contender)
                 flag = "0"
                 if self.release_signal:
                     others = listener is not None and waiter is not None and listener.others(waiter)
@@ -619,7 +665,12 @@ class Lock(RedisLock):
                     await contender.waiter.wait(delay)
                     if contender.polite and contender.grant is None:
                         contender.polite = False
-                        delay = self.sleep * random.uniform(0.5, 1.5)
+                        # Other clients' waiters, woken by the same signal, take the
+                        # lock within a round trip or two; if none did (the flag
+                        # may be this client's own: a contender that found the lock
+                        # held here flags it too), try again soon rather than leave
+                        # the lock free for a whole ``sleep``.
+                        delay = min(self.sleep * random.uniform(0.5, 1.5), _YIELD_GRACE_S)
                         if deadline is not None:
                             delay = min(delay, deadline - loop.time())
                         await contender.waiter.wait(delay)
@@ -788,16 +839,23 @@ class Lock(RedisLock):
             sent = loop.time()
             if cap_end is not None and sent >= cap_end:
                 break
+            # Bounded by the lease: a renewal that hangs (a partition, and redis-py's
+            # default of no socket timeout) must not hold ``lost`` back past the
+            # lease's end. Not shielded: the call is dropped (its write's connection
+            # closed if no other call shares it), and a renewal that reaches Redis
+            # anyway only lengthens a hold that this token can still release.
+            bound = asyncio.timeout_at(lease_end)
             try:
-                renewed = await self._eval(_REACQUIRE, [self._key], [token, self._lease_ms])
-            except (RedisError, OSError) as exc:
+                async with bound:
+                    renewed = await self._eval(_REACQUIRE, [self._key], [token, self._lease_ms])
+            except (RedisError, OSError) as exc:  # OSError: TimeoutError included
                 logger.debug("lock %r: renewal failed: %r", self._lock_name(), exc)
                 renewed = None
             if renewed == 1:
                 lease_end = sent + lease_s
                 delay = lease_s / 3
                 continue
-            if renewed == 0 or loop.time() >= lease_end:
+            if renewed == 0 or bound.expired() or loop.time() >= lease_end:
                 self._mark_lost(token)
                 return
             delay = min(lease_s / 12, max(0.0, lease_end - loop.time()))
