@@ -29,6 +29,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError, LockError, LockNotOwnedError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 import dedup.errors
 from dedup.errors import ConfigError, InvalidInput, StaleFence
@@ -706,6 +707,38 @@ async def test_polling_without_release_signal(r: Redis) -> None:
     assert await subscribers(r) == 0
     await holder.release()
     assert await asyncio.wait_for(task, DEADLINE_S)
+
+
+async def test_a_lock_script_is_never_sent_twice_by_the_clients_retry(redis_url: str) -> None:
+    """redis-py gives ``Redis(host=...)`` ten retries on timeouts and connection errors,
+    each sending the command again. A lock script whose reply is lost after the server
+    ran it must not run again: a reentrant release would take the count down twice and
+    let another task in while the outer hold still stands."""
+    target = urlsplit(redis_url)
+    assert target.hostname is not None and target.port is not None
+    direct = Redis.from_url(redis_url)
+    async with SlowProxy(target.hostname, target.port) as proxy:
+        client = Redis(host="127.0.0.1", port=proxy.port, socket_timeout=0.3)
+        try:
+            warm = Lock(client, "warm", reentrant=True, timeout=30)  # the scripts loaded
+            for step in (warm.acquire, warm.acquire, warm.release, warm.release):
+                await step()
+            outer = Lock(client, "acct", reentrant=True, timeout=30)
+            inner = Lock(client, "acct", reentrant=True, timeout=30)
+            assert await outer.acquire() and await inner.acquire()
+            assert await direct.hget("acct", "count") == b"2"
+            # This release's reply comes after the client gave up on it (0.3 s); the
+            # connections made after 0.4 s answer at once, so a retry would get through.
+            proxy.delay_s = 1.0
+            asyncio.get_running_loop().call_later(0.4, setattr, proxy, "delay_s", 0.0)
+            with pytest.raises((RedisTimeoutError, ConnectionError)):
+                await inner.release()
+            assert await direct.hget("acct", "count") == b"1"  # one level down, once
+            other = Lock(direct, "acct", reentrant=True, timeout=30)
+            assert not await asyncio.ensure_future(other.acquire(blocking=False))
+        finally:
+            await client.aclose()
+            await direct.aclose()
 
 
 async def test_waiters_survive_a_restarted_server(fresh_redis: RedisServer) -> None:

@@ -236,13 +236,19 @@ def _pack_calls(calls: Sequence[ScriptCall], before: Sequence[Sequence[Any]] = (
     return b"".join(pieces)
 
 
-async def exchange(pool: ConnectionPool, packed: bytes, count: int) -> list[Any]:
+async def exchange(
+    pool: ConnectionPool, packed: bytes, count: int, *, retry: bool = True
+) -> list[Any]:
     """Send ``packed`` (RESP commands) on one connection of ``pool`` and read its
     ``count`` replies in order, an error reply as its exception: what redis-py's
     pipeline does for a batch of scripts, at about 60 % of its CPU (no command stack, no
     per-command options or callbacks). A connection error is retried as the client's
-    own commands are (the pool's ``Retry``); any other failure, a cancellation included,
-    closes the connection, so no unread reply is left on it for its next user."""
+    own commands are (the pool's ``Retry``), which sends everything again: only for
+    commands safe to run twice; ``retry=False`` raises it instead (a reply lost after
+    the server ran them leaves their outcome to the caller). Any other failure, a
+    cancellation included, closes the connection, so no unread reply is left on it for
+    its next user. (A pooled connection the server closed meanwhile, a restart say, is
+    replaced by the pool before the write, so it needs no retry.)"""
     conn = await pool.get_connection()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
     try:
 
@@ -259,6 +265,8 @@ async def exchange(pool: ConnectionPool, packed: bytes, count: int) -> list[Any]
         async def failed(_: BaseException) -> None:
             await conn.disconnect()
 
+        if not retry:
+            return await once()
         return list(await conn.retry.call_with_retry(once, failed))
     except BaseException:
         await conn.disconnect(nowait=True)

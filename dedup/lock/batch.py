@@ -160,7 +160,13 @@ async def _settle(
 
 async def _exchange(pool: ConnectionPool, commands: list[bytes]) -> list[Any]:
     """Send ``commands`` (packed) in one write on one pooled connection and read their
-    replies in order, an error reply as its exception (:func:`dedup._redis.script.exchange`:
-    connection errors retried with the pool's ``Retry``, any other failure closing the
-    connection, so no unread reply is left on it)."""
-    return await exchange(pool, b"".join(commands), len(commands))
+    replies in order, an error reply as its exception (:func:`dedup._redis.script.exchange`,
+    any failure closing the connection, so no unread reply is left on it).
+
+    Never retried, whatever the client's ``Retry`` says (redis-py gives ``Redis(host=...)``
+    ten): the lock scripts are not safe to run twice. A release run again after its reply
+    was lost takes a reentrant count down twice (another task then takes a lock still
+    held), an acquire run again finds its own grant and says "not granted" (the lock stays
+    held by a token nobody knows). The error reaches the lock, which treats the outcome
+    as unknown (an acquire's grant is given back; see :class:`dedup.lock.Lock`)."""
+    return await exchange(pool, b"".join(commands), len(commands), retry=False)

@@ -61,8 +61,9 @@ from typing import Any, Literal, Self
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.lock import Lock as RedisLock
+from redis.exceptions import ConnectionError, RedisError
 from redis.exceptions import LockError as RedisLockError
-from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dedup._redis.script import Script
 from dedup.errors import ConfigError
@@ -156,6 +157,10 @@ def _task_token() -> bytes:
 # waiters, which is forgotten whenever it is empty: two tasks taking turns empty it at
 # every handover.
 _HANDOVER_STREAK = 16
+
+# Errors after which a call's answer may be lost with the call run: never sent again
+# (dedup.lock.batch), so a waiter gives back what it may have won, then waits on.
+_LOST_ANSWER = (ConnectionError, RedisTimeoutError, OSError)
 
 # How long a contender whose client's holder yielded waits before trying again: enough
 # for other clients' waiters, woken by the yield's signal, to take the lock first (a
@@ -323,10 +328,14 @@ class Lock(RedisLock):
             self.lost.set()
 
     # ---------------------------------------------------------------- acquire
-    async def _try(self, token: bytes, waiting: str = "0") -> tuple[bool, int]:
+    async def _try(
+        self, token: bytes, waiting: str = "0", *, cleanup: bool = True
+    ) -> tuple[bool, int]:
         """One attempt: (True, fence) when granted, else (False, the holder's pttl).
         ``waiting``: "1" = the caller waits for a release if it fails (it flags
-        itself), "2" = other waiters of this client wait too (a grant flags them)."""
+        itself), "2" = other waiters of this client wait too (a grant flags them).
+        ``cleanup``: when the answer is lost, give back in the background a grant it
+        may have carried (False: the caller does it before its next attempt)."""
         loop = asyncio.get_running_loop()
         sent = loop.time()
         script = _ACQUIRE_REENTRANT if self.reentrant else _ACQUIRE
@@ -345,7 +354,8 @@ class Lock(RedisLock):
             raise
         except BaseException:
             # The answer was lost; the lock may be ours without our knowing.
-            self._drop_unknown(token)
+            if cleanup:
+                self._drop_unknown(token)
             raise
         if reply[0] != 1:
             return False, int(reply[1])
@@ -594,6 +604,7 @@ class Lock(RedisLock):
         listener: ReleaseListener | None = None
         waiter: Waiter | None = None
         acquired = False
+        lost_answer = False  # the last attempt's answer was lost: it may have won
         try:
             if self.release_signal:
                 # A live subscription costs nothing to join: join before the first
@@ -617,17 +628,44 @@ class Lock(RedisLock):
                     return True
                 if contender is not None and contender.unsure:
                     await self._drop_unsure(contender)
-                flag = "0"
-                if self.release_signal:
-                    others = listener is not None and waiter is not None and listener.others(waiter)
-                    flag = "2" if others else "1"
-                if contender is not None:
-                    contender.trying = True
-                try:
-                    acquired, pttl = await self._try(raw, flag)
-                finally:
+                if lost_answer:
+                    # The last attempt's answer was lost: give back the grant it may
+                    # have carried, here and before the next attempt (a release left
+                    # running beside it could delete the lock that attempt wins).
                     if contender is not None:
-                        contender.trying = False
+                        contender.trying = True  # nobody hands it the lock meanwhile
+                    try:
+                        await self._release_call(raw)
+                        lost_answer = False
+                    except _LOST_ANSWER:
+                        pass  # still unknown: wait, and look again
+                    finally:
+                        if contender is not None:
+                            contender.trying = False
+                acquired, pttl = False, 0
+                if not lost_answer:
+                    flag = "0"
+                    if self.release_signal:
+                        others = (
+                            listener is not None and waiter is not None and listener.others(waiter)
+                        )
+                        flag = "2" if others else "1"
+                    if contender is not None:
+                        contender.trying = True
+                    try:
+                        acquired, pttl = await self._try(raw, flag, cleanup=False)
+                    except _LOST_ANSWER:
+                        if self.reentrant:
+                            raise  # a count that may or may not have grown: see _drop_unknown
+                        # The server went away mid-attempt (a restart, a failover): no
+                        # call is sent twice, so a waiter waits on, as after a failed try.
+                        lost_answer = True
+                    except Exception:
+                        self._drop_unknown(raw)  # what _try does for its other callers
+                        raise
+                    finally:
+                        if contender is not None:
+                            contender.trying = False
                 if acquired:
                     if contender is not None and contender.grant is not None:
                         # Both: an attempt that found the lock handed over cannot
