@@ -40,19 +40,25 @@ _QUERY_PASSWORD = re.compile(r"([?&][a-z_]*password=)[^&#\s]*", re.IGNORECASE)
 
 
 def check_url_password(url: str, name: str) -> None:
-    """Raise :class:`ConfigError` if ``url``'s password holds an unescaped ``/`` or ``@``.
+    """Raise :class:`ConfigError` if ``url``'s password holds an unescaped ``/``, ``@``,
+    ``?`` or ``#``.
 
     Such a URL splits in the wrong places, and the parsers' complaints then quote
-    pieces of the password (``invalid literal for int(): '<piece>'``), which
-    :func:`redact` cannot recognise. The message names neither the URL nor the password.
+    pieces of the password (``invalid literal for int(): '<piece>'``, ``Port could not
+    be cast to integer value as '<piece>'``), which :func:`redact` cannot recognise. The
+    message names neither the URL nor the password.
     """
     rest = url.partition("://")[2]
     if rest.startswith("/"):  # unix:// and sqlite:/// paths have no user part
         return
     userinfo = rest.split("?", 1)[0].rpartition("@")[0]
-    if "/" in userinfo or "@" in userinfo:
+    # A "?" or "#" in the password ends the authority early for every parser: then an
+    # "@" comes after it, still before the path (whose own "/" the password may not hold).
+    head = rest.split("/", 1)[0]
+    early = head.rpartition("@")[0]
+    if any(c in userinfo for c in "/@#") or "?" in early or "#" in early:
         raise ConfigError(
-            f"{name}: percent-encode / and @ in the user name and password (%2F, %40)"
+            f"{name}: percent-encode / @ ? and # in the user name and password (%2F, %40, %3F, %23)"
         )
 
 

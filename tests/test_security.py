@@ -53,6 +53,9 @@ JSON = {**AUTH, "Content-Type": "application/json"}
 # Passwords with the characters a URL parser trips on, in their URL-escaped form too.
 PASSWORD = "pw/" + secrets.token_hex(6) + "@x"
 PASSWORD_IN_URL = quote(PASSWORD, safe="")
+# A "#" or "?" ends a URL's authority early for every parser: "Port could not be cast
+# to integer value as '<the password's first piece>'".
+PASSWORD_HASH = "pw" + secrets.token_hex(6) + "#" + secrets.token_hex(6) + "?x"
 CLI_TIMEOUT_S = 60.0
 
 # The minimal command set dedup needs as an ACL user (docs/security.md): INFO for the
@@ -328,6 +331,7 @@ async def test_secrets_never_in_logs_or_error_messages(
     # Not percent-encoded, as users write them: the URL splits in the wrong places.
     raw_redis = f"redis://dedup:{PASSWORD}@127.0.0.1:{dead}/0"
     raw_pg = f"postgresql://postgres:{PASSWORD}@127.0.0.1:{dead}/dedup"
+    hash_pg = f"postgresql://postgres:{PASSWORD_HASH}@127.0.0.1:{dead}/dedup"
     texts: list[str] = []
 
     caplog.set_level(logging.DEBUG)
@@ -337,6 +341,7 @@ async def test_secrets_never_in_logs_or_error_messages(
         (redis_url, query_pg),
         (raw_redis, pg_url),
         (redis_url, raw_pg),
+        (redis_url, hash_pg),
     ):
         texts.append(await open_error(redis_url_, db_url))
     texts.append(caplog.text)
@@ -347,12 +352,20 @@ async def test_secrets_never_in_logs_or_error_messages(
     check = await run_cli("check", "--redis-url", raw_redis, "--database-url", raw_pg)
     assert check.returncode != 0 and "percent-encode" in check.stdout, check.stdout
     texts += [check.stdout, check.stderr]
-    for db_url in (secret_pg, query_pg, raw_pg):
+    check = await run_cli("check", "--redis-url", redis_url, "--database-url", hash_pg)
+    assert check.returncode != 0 and "percent-encode" in check.stdout, check.stdout
+    texts += [check.stdout, check.stderr]
+    for db_url in (secret_pg, query_pg, raw_pg, hash_pg):
         migrate = await run_cli("migrate", "--database-url", db_url)
         assert migrate.returncode == 2, migrate.stderr
         assert "could not migrate" in migrate.stderr or "percent-encode" in migrate.stderr
         texts += [migrate.stdout, migrate.stderr]
-    for redis_url_, db_url in ((secret_redis, pg_url), (redis_url, secret_pg), (raw_redis, pg_url)):
+    for redis_url_, db_url in (
+        (secret_redis, pg_url),
+        (redis_url, secret_pg),
+        (raw_redis, pg_url),
+        (redis_url, hash_pg),
+    ):
         env = service_env(
             redis_url_, db_url, DEDUP_AUTH_TOKEN=TOKEN, DEDUP_LOG_LEVEL="debug",
             DEDUP_REQUIRE_REDIS="true",
@@ -375,9 +388,9 @@ async def test_secrets_never_in_logs_or_error_messages(
     texts.append(svc.log_text())
 
     assert all(texts[:5]) and "***" in texts[0]
-    pieces = [p for p in re.split(r"[/@]", PASSWORD) if len(p) >= 2]
+    pieces = [p for p in re.split(r"[/@#?]", PASSWORD + "/" + PASSWORD_HASH) if len(p) >= 2]
     for text in texts:
-        for secret in (PASSWORD, PASSWORD_IN_URL, TOKEN, *pieces):
+        for secret in (PASSWORD, PASSWORD_IN_URL, PASSWORD_HASH, TOKEN, *pieces):
             assert secret not in text, (secret, text)
 
 

@@ -23,7 +23,7 @@ from dedup._redis.server import (
 from dedup.errors import ConfigError, DedupError
 from dedup.service.settings import Config
 from dedup.store.sinks import PG_TABLE_EXISTS
-from dedup.urls import check_url_password, embedded_sqlite_url, redact
+from dedup.urls import check_url_password, embedded_sqlite_url, redact, scrub
 
 __all__ = ["Finding", "check"]
 
@@ -48,7 +48,9 @@ async def _check_redis(url: str, allow_eviction: bool, timeout_s: float) -> list
             needed = ".".join(map(str, MIN_REDIS_VERSION))
             why = f"older than Redis {needed} (no HELLO): dedup needs Redis {needed}+"
             return [Finding("fail", "redis", f"{shown}: {why} (or Valkey 7.2+)")]
-        return [Finding("fail", "redis", f"{shown}: cannot connect: {redact(str(exc))}")]
+        return [
+            Finding("fail", "redis", f"{shown}: cannot connect: {scrub(redact(str(exc)), url)}")
+        ]
     finally:
         await client.aclose()
 
@@ -118,7 +120,9 @@ async def _check_postgres(url: str, timeout_s: float) -> list[Finding]:
     try:
         conn = await asyncpg.connect(url, timeout=timeout_s)
     except Exception as exc:
-        return [Finding("fail", "database", f"{shown}: cannot connect: {redact(str(exc))}")]
+        return [
+            Finding("fail", "database", f"{shown}: cannot connect: {scrub(redact(str(exc)), url)}")
+        ]
     try:
         version = await conn.fetchval("SHOW server_version")
         fsync = await conn.fetchval("SHOW fsync")
@@ -129,7 +133,9 @@ async def _check_postgres(url: str, timeout_s: float) -> list[Finding]:
             await conn.fetchval("SELECT version_num FROM alembic_version") if has_version else None
         )
     except Exception as exc:
-        return [Finding("fail", "database", f"{shown}: query failed: {redact(str(exc))}")]
+        return [
+            Finding("fail", "database", f"{shown}: query failed: {scrub(redact(str(exc)), url)}")
+        ]
     finally:
         await conn.close(timeout=timeout_s)
     found = [Finding("ok", "database", f"{shown}: reachable, PostgreSQL {version}")]
