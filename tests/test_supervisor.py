@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -311,6 +312,33 @@ async def test_workers_end_when_the_supervisor_is_killed(
 
         await until("the orphaned workers to exit", all_gone)
         assert await _healthz_pid(svc) is None  # nobody listens any more
+    finally:
+        _kill_all(svc, seen_pids)
+
+
+async def test_a_failing_supervisor_stops_its_workers_and_exits(
+    redis_url: str, pg_url: str, tmp_path: Path, seen_pids: _Seen
+) -> None:
+    """The supervisor runs out of file descriptors (its limit lowered to what it has
+    open) when it must start a replacement worker: it stops the other worker and exits
+    with an error, rather than wait for a worker that goes on serving."""
+    svc = spawn_service(tmp_path, service_env(redis_url, pg_url), args=["--workers", "2"])
+    try:
+        await wait_healthy(svc)
+        workers = await _all_answered(svc, 2)
+        seen_pids |= workers
+        supervisor = svc.proc.pid
+        held = len(os.listdir(f"/proc/{supervisor}/fd"))
+        resource.prlimit(supervisor, resource.RLIMIT_NOFILE, (held, held))
+        os.kill(min(workers), signal.SIGKILL)  # its replacement needs new descriptors
+        status = await wait_exit(svc, timeout=WAIT_S)
+        assert status != 0, svc.log_text()
+        assert "the supervisor failed" in svc.log_text()
+
+        async def all_gone() -> bool:
+            return not any(_alive(pid) for pid in workers)
+
+        await until("the other worker to stop", all_gone)
     finally:
         _kill_all(svc, seen_pids)
 

@@ -267,9 +267,18 @@ class Supervisor:
         # Read by prometheus_client when a spawned worker imports it.
         os.environ[MULTIPROC_ENV] = self._metrics_dir
         try:
-            for slot in self._slots:
-                self._start(slot)
-            return self._stop_all(self._supervise())
+            try:
+                for slot in self._slots:
+                    self._start(slot)
+                status = self._supervise()
+            except BaseException:
+                # A failure here (no file descriptor left to start a worker, say) must
+                # still stop the workers: left serving, they would keep this process
+                # waiting for them at exit, with their metrics folder gone.
+                log.exception("the supervisor failed: stopping the workers")
+                self._stop_all(1)
+                raise
+            return self._stop_all(status)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
