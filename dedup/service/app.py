@@ -26,8 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import os
+import re
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -204,10 +206,30 @@ async def _middleware(request: web.Request, handler: _Handler) -> web.StreamResp
 # The usual spellings of a JSON content type, accepted without aiohttp's header parsing.
 _JSON_TYPES = frozenset(("application/json", "application/json; charset=utf-8"))
 
+# Request bodies are read as sent (``auto_decompress=False`` on the app): aiohttp's own
+# decompression fails on a broken gzip or deflate body with an error that escapes the
+# handler (a 500), and again, as an "Unhandled exception" traceback in the log, when it
+# drains the unread body of any other answer (a 401, say). Nothing documents compressed
+# requests, so a Content-Encoding other than identity is refused with 415 before reading.
+_IDENTITY = frozenset(("", "identity"))
+
+# orjson reads an integer beyond the 64-bit range (-2**63 .. 2**64-1) as a float, that
+# is rounded. Such a literal has at least 19 digits; only a body with a run that long
+# is parsed again, so that the payload encoder sees the exact int and refuses it.
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+
 
 def _is_json(request: web.Request) -> bool:
     charset = (request.charset or "utf-8").lower()
     return request.content_type == _JSON and charset in ("utf-8", "utf8")
+
+
+def _is_identity(request: web.Request) -> bool:
+    return all(
+        coding.strip().lower() in _IDENTITY
+        for header in request.headers.getall("Content-Encoding", ())
+        for coding in header.split(",")
+    )
 
 
 async def _read_json(request: web.Request, state: _State) -> Any:
@@ -215,6 +237,13 @@ async def _read_json(request: web.Request, state: _State) -> Any:
     if request.headers.get("Content-Type") not in _JSON_TYPES and not _is_json(request):
         raise _ApiError(
             415, "unsupported_media_type", "Content-Type must be application/json (UTF-8)"
+        )
+    if "Content-Encoding" in request.headers and not _is_identity(request):
+        raise _ApiError(
+            415,
+            "unsupported_media_type",
+            "Content-Encoding must be identity: compressed bodies are not accepted",
+            headers={"Accept-Encoding": "identity"},
         )
     limit = state.settings.max_body_bytes
     length = request.content_length
@@ -224,10 +253,25 @@ async def _read_json(request: web.Request, state: _State) -> Any:
         body = await request.read()  # aiohttp enforces client_max_size on chunked bodies
     except web.HTTPRequestEntityTooLarge:
         raise _ApiError(413, "body_too_large", f"the body is over {limit} bytes") from None
+    except web.RequestPayloadError:
+        # The body's encoding broke midway (possible where the serving aiohttp decodes
+        # bodies, as when this app is mounted in another): the client's fault, not a bug.
+        raise _ApiError(400, "malformed_json", "the body could not be read") from None
     try:
-        return orjson.loads(body)
+        data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise _ApiError(400, "malformed_json", f"the body is not valid JSON: {exc}") from None
+    if _LONG_DIGITS.search(body) is None:
+        return data
+    # orjson has validated the body (UTF-8, no lone surrogates, no NaN), so json reads
+    # the same document, its integers exact. json recurses and gives up about 1000
+    # levels deep; orjson's parse is then kept, as the answer is 422 either way: nesting
+    # that deep is refused wherever it is (in a payload by its encoder, which stops at
+    # 254 levels; anywhere else by the checks of the body's shape).
+    try:
+        return json.loads(body.decode())
+    except RecursionError:
+        return data
 
 
 def _invalid(message: str, *, field: str | None, index: int | None = None) -> _ApiError:
@@ -440,7 +484,12 @@ def create_app(gateway: Gateway, settings: ServiceSettings) -> web.Application:
         ),
         log=_RateLimitedLog(),
     )
-    app = web.Application(middlewares=[_middleware], client_max_size=settings.max_body_bytes)
+    app = web.Application(
+        middlewares=[_middleware],
+        client_max_size=settings.max_body_bytes,
+        # On the app, not in serve(): any runner of this app gets it too (see _IDENTITY).
+        handler_args={"auto_decompress": False},
+    )
     app[_STATE] = state
     app.router.add_post(SAVE_PATH, _save)
     app.router.add_post(BATCH_PATH, _save_batch)

@@ -56,7 +56,11 @@ ERRORS: dict[str, tuple[int | None, str]] = {
     "not_found": (404, "no such path."),
     "method_not_allowed": (405, "the path exists but not with this method (see Allow)."),
     "body_too_large": (413, "the body is over max_body_bytes."),
-    "unsupported_media_type": (415, "the Content-Type is not application/json."),
+    "unsupported_media_type": (
+        415,
+        "the Content-Type is not application/json, or the body has a Content-Encoding "
+        "other than identity (compressed bodies are not accepted).",
+    ),
     "invalid_input": (
         422,
         "a field is missing, unknown, of the wrong type or over a limit; "
@@ -427,7 +431,8 @@ def openapi_document(
                     f"body_too_large: the body is over {max_body_bytes} bytes."
                 ),
                 "UnsupportedMediaType": _error_response(
-                    "unsupported_media_type: Content-Type is not application/json."
+                    "unsupported_media_type: Content-Type is not application/json, or "
+                    "Content-Encoding is not identity."
                 ),
                 "InvalidInput": _error_response(
                     "invalid_input: which field (and item index) and why; nothing was saved."
