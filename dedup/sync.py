@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import inspect
+import logging
 import os
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar, Unpack
+from typing import Any, Generic, ParamSpec, TypeVar, Unpack
 
-from dedup._engine.once import Saved, begin, value_of
+from dedup._engine.once import Lease, Saved, begin, value_of
 from dedup._values import validate_kind
 from dedup.errors import DedupError, InvalidInput, WaitTimeout
 from dedup.gateway import Gateway
@@ -34,11 +36,87 @@ from dedup.types import Item, SaveResult
 
 __all__ = ["SyncGateway"]
 
+log = logging.getLogger("dedup")
+
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 _CALL_MARGIN_S = 5.0
 _OPEN_TIMEOUT_S = 120.0  # starting an embedded redis-server and migrating SQLite included
+
+_PENDING: Any = object()  # a _Call's outcome before its coroutine returned
+
+
+async def _give_back(result: object) -> None:
+    """Give back what an abandoned call won: a :class:`Lease` is released without saving
+    (its watchdog stopped, this process's run of the value ended), rather than left
+    held, for nobody, until the process ends. Other results hold nothing."""
+    if not isinstance(result, Lease):
+        return
+    try:
+        await result.fail()
+    except Exception as exc:  # nobody awaits this outcome: say it here
+        log.warning("could not release the lease of an abandoned call: %r", exc)
+
+
+class _Call(Generic[_T]):
+    """One blocking call's coroutine, run on the loop by :meth:`run`.
+
+    A caller that stops waiting (its timeout) cannot simply cancel the coroutine: the
+    coroutine may have returned already, or return despite the cancellation, and what
+    it returned then reaches nobody. For a :class:`Lease` (``begin``, the WSGI
+    middleware's claim) that meant a value held for ever: its watchdog renews it and
+    this process's run of it never ends. So the caller first marks the call
+    abandoned (:meth:`abandon`, on the loop), and whichever of the two comes second,
+    the coroutine's return or the mark, gives the result back. Every attribute is
+    touched on the loop thread only, so the two cannot interleave.
+    """
+
+    __slots__ = ("_abandoned", "_coro", "_result", "_started")
+
+    def __init__(self, coro: Coroutine[Any, Any, _T]) -> None:
+        self._coro = coro
+        self._abandoned = False
+        self._started = False
+        self._result: _T = _PENDING
+
+    async def run(self) -> _T:
+        """Run the coroutine; if the caller abandoned the call meanwhile, give back its result."""
+        self._started = True
+        if self._abandoned:  # the caller left before this call started (see abandon)
+            raise asyncio.CancelledError
+        result = await self._coro
+        if self._abandoned:
+            # The caller left while the coroutine ran and it returned anyway (it
+            # swallowed the cancellation): nobody will take the result.
+            await _give_back(result)
+        else:
+            self._result = result
+        return result
+
+    def abandon(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The caller stopped waiting (called on the loop, before the cancellation arrives)."""
+        if self._abandoned:
+            return
+        self._abandoned = True
+        if not self._started:
+            # It never ran and never will (run() sees the mark): closed here, so no
+            # "coroutine was never awaited" warning when the task is cancelled first.
+            self._coro.close()
+        elif self._result is not _PENDING:
+            # It returned before the mark arrived (the loop was busy past the caller's
+            # timeout): its result was set on a future the caller no longer reads.
+            result, self._result = self._result, _PENDING
+            _keep(loop.create_task(_give_back(result), name="dedup-sync-give-back"))
+
+
+_background: set[asyncio.Task[None]] = set()
+
+
+def _keep(task: asyncio.Task[None]) -> None:
+    """Hold a strong reference to ``task`` until it ends (the loop keeps weak ones only)."""
+    _background.add(task)
+    task.add_done_callback(_background.discard)
 
 
 class SyncGateway:
@@ -138,14 +216,29 @@ class SyncGateway:
             coro.close()
             raise DedupError("a SyncGateway cannot be called from its own loop thread")
         limit = self._timeout_s if timeout_s is None else timeout_s
-        future = self._submit(coro)
+        call = _Call(coro)
+        future = self._submit(call.run())
         try:
             return future.result(timeout=limit)
         except concurrent.futures.TimeoutError:
-            future.cancel()
+            self._abandon(call, future)
             raise WaitTimeout(f"the call did not finish within {limit} s") from None
         except concurrent.futures.CancelledError:
             raise DedupError("the SyncGateway was closed while this call was running") from None
+        except BaseException:
+            # The coroutine's own error (then this is a no-op on the loop), or the
+            # caller's wait was interrupted (KeyboardInterrupt): give back what it won.
+            self._abandon(call, future)
+            raise
+
+    def _abandon(self, call: _Call[Any], future: concurrent.futures.Future[Any]) -> None:
+        """Stop a call the caller no longer waits for, giving back what it won."""
+        # Queued before the cancellation (which future.cancel() also queues on the loop),
+        # so the call is marked abandoned before it can be cancelled. A closed loop
+        # (RuntimeError) runs nothing any more: nothing to give back there.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(call.abandon, self._loop)
+        future.cancel()
 
     # ------------------------------------------------------------------ public API
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Unpack
 
 from dedup._engine.once import Lease
-from dedup._idempotency import Capture, Idempotency, Options, RequestInfo, Response
+from dedup._idempotency import Capture, Idempotency, Options, RequestInfo, Response, problem
 from dedup.errors import DedupError, InvalidInput
 from dedup.sync import SyncGateway
 
@@ -143,30 +143,87 @@ class DedupMiddleware:
         except BaseException:
             settle(complete=False)
             raise
-        return _one_behind(result, capture, settle)
+        return _OneBehind(result, capture, settle)
 
 
-def _one_behind(
-    result: Iterable[bytes], capture: Capture, settle: Callable[[bool], None]
-) -> Iterator[bytes]:
-    """The app's body, one chunk behind: the key is settled before the last chunk."""
-    held: bytes | None = None
-    try:
-        for chunk in result:
-            if not chunk:
-                continue
-            capture.add(chunk)
+class _OneBehind:
+    """The app's body, one chunk behind: the key is settled before the last chunk.
+
+    An iterable class rather than a generator for :meth:`close`: a server (or an outer
+    middleware) may close the response before asking for its first chunk, and a
+    generator's body, hence its cleanup, never runs then; the lease would be left
+    held, renewed by its watchdog, and every retry answered 409. Otherwise it behaves
+    as the generator it replaces did.
+    """
+
+    __slots__ = ("_capture", "_chunks", "_closed", "_held", "_result", "_settle", "_state")
+
+    def __init__(
+        self, result: Iterable[bytes], capture: Capture, settle: Callable[[bool], None]
+    ) -> None:
+        self._result = result
+        self._capture = capture
+        self._settle = settle
+        self._chunks: Iterator[bytes] | None = None
+        self._held: bytes | None = None
+        # "body": passing the app's chunks; "last": settled, the held chunk still to
+        # go; "done": nothing more to give.
+        self._state = "body"
+        self._closed = False
+
+    def __iter__(self) -> _OneBehind:
+        return self
+
+    def __next__(self) -> bytes:
+        if self._state == "last":
+            self._state = "done"
+            held, self._held = self._held, None
             if held is not None:
-                yield held
-            held = chunk
-        settle(True)
-        if held is not None:
-            yield held
-    except BaseException:  # the app failed, or the server closed us early
-        settle(False)
-        raise
-    finally:
-        close = getattr(result, "close", None)
+                return held
+        if self._state == "done":
+            self._close_result()
+            raise StopIteration
+        try:
+            if self._chunks is None:
+                self._chunks = iter(self._result)
+            for chunk in self._chunks:
+                if not chunk:
+                    continue
+                self._capture.add(chunk)
+                held, self._held = self._held, chunk
+                if held is not None:
+                    return held
+            self._settle(True)
+        except BaseException:  # the app (or the settling) failed
+            self._state = "done"
+            self._settle(False)
+            self._close_result()
+            raise
+        self._state = "last"
+        return next(self)
+
+    def close(self) -> None:
+        """The server is done with the response (PEP 3333), whether or not it was read to
+        its end: a key not settled yet is released (the answer was not sent whole), and
+        the app's own response is closed."""
+        self._state = "done"
+        self._held = None
+        try:
+            self._settle(False)  # a no-op once the key is settled
+        finally:
+            self._close_result()
+
+    def __del__(self) -> None:
+        # As the generator did when it was collected unclosed (a server that breaks
+        # PEP 3333's close() rule): release the key rather than leave it held.
+        if not self._closed:
+            self.close()
+
+    def _close_result(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        close = getattr(self._result, "close", None)
         if close is not None:
             close()
 
@@ -178,17 +235,37 @@ def _path(environ: WSGIEnvironment) -> str:
 
 
 def _read_body(environ: WSGIEnvironment, rules: Idempotency) -> bytes | Response:
-    """The whole request body, or 413 past ``max_request_bytes``."""
+    """The whole request body; 413 past ``max_request_bytes``, 400 when it ends before
+    its Content-Length (the client went away mid-body)."""
     stream = environ["wsgi.input"]
     length = str(environ.get("CONTENT_LENGTH") or "")
     if length.isdigit():
-        refusal = rules.body_too_large(int(length))
+        expected = int(length)
+        refusal = rules.body_too_large(expected)
         if refusal is not None:
             return refusal
-        return bytes(stream.read(int(length))) if int(length) else b""
+        body = bytearray()
+        while len(body) < expected:  # a read may return less than asked before the end
+            chunk = stream.read(expected - len(body))
+            if not chunk:
+                break
+            body.extend(chunk)
+        if len(body) < expected:
+            # gunicorn and wsgiref give a short read when the client disconnects. Run
+            # with it, the app would see a whole but truncated request, and its answer
+            # (a 400, say, stored as 4xx answers are) would be the key's for ever: the
+            # client's retry with the full body would get 422. So the key is not
+            # claimed and the app not called.
+            return problem(
+                400,
+                "incomplete_body",
+                f"the request body ended after {len(body)} of the {expected} bytes "
+                "of its Content-Length",
+            )
+        return bytes(body)
     if environ.get("wsgi.input_terminated"):  # chunked, read to its end (gunicorn)
-        body = bytes(stream.read(rules.max_request_bytes + 1))
-        return rules.body_too_large(len(body)) or body
+        whole = bytes(stream.read(rules.max_request_bytes + 1))
+        return rules.body_too_large(len(whole)) or whole
     return b""
 
 

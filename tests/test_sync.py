@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import select
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -15,9 +17,11 @@ from typing import Any
 import pytest
 
 from dedup import DedupError, InvalidInput, Row, SyncGateway, WaitTimeout
+from dedup._engine.once import Lease, Saved, begin
 from tests.embed_child import EmbedChild
 
 DEADLINE_S = 120.0
+GIVE_BACK_S = 2.0  # how soon an abandoned call's lease must be claimable again
 
 
 @pytest.fixture
@@ -95,6 +99,81 @@ def test_call_timeout_cancels_the_call(redis_url: str) -> None:
                 gw.save("email", "slow")
         finally:
             release.set()
+
+
+def _claim_again(gw: SyncGateway, value: str) -> float:
+    """Claim ``value`` (kind "request") as soon as it is free, within GIVE_BACK_S; the
+    seconds it took. The lease is given back at once."""
+    started = time.monotonic()
+    while True:
+        try:
+            claimed = gw._call(begin(gw.gateway, "request", value, wait_s=0.0))
+        except WaitTimeout:  # still held (by the abandoned call's lease, until it is freed)
+            if time.monotonic() - started > GIVE_BACK_S:
+                raise AssertionError(
+                    f"{value!r} was still held {GIVE_BACK_S} s after its call was abandoned"
+                ) from None
+            time.sleep(0.02)
+            continue
+        assert isinstance(claimed, Lease)
+        gw._call(claimed.fail())
+        return time.monotonic() - started
+
+
+def test_a_lease_won_as_its_call_times_out_is_given_back(redis_url: str, pg_url: str) -> None:
+    # lease_ms=600: a lease that were only left to expire would be free after 0.6 s;
+    # the watchdog of a lost Lease renews it for ever, so the key stayed held.
+    with SyncGateway(redis_url, pg_url, lease_ms=600) as gw:
+
+        async def claim_then_busy() -> Saved | Lease:
+            got = await begin(gw.gateway, "request", "k1", wait_s=0.0)
+            # The loop thread is busy (GC, CPU contention) right as the claim returns:
+            # the caller's 0.1 s pass and its cancellation arrives after the return.
+            time.sleep(0.3)
+            return got
+
+        with pytest.raises(WaitTimeout, match="did not finish"):
+            gw._call(claim_then_busy(), timeout_s=0.1)
+        _claim_again(gw, "k1")
+
+        async def watchdogs() -> list[str]:
+            return [
+                t.get_name() for t in asyncio.all_tasks() if t.get_name() == "dedup-once-watchdog"
+            ]
+
+        assert gw._call(watchdogs()) == []  # nothing renews a lease nobody holds
+
+
+def test_a_lease_returned_despite_the_cancellation_is_given_back(
+    redis_url: str, pg_url: str
+) -> None:
+    with SyncGateway(redis_url, pg_url, lease_ms=600) as gw:
+
+        async def claim_then_outlive_cancel() -> Saved | Lease:
+            got = await begin(gw.gateway, "request", "k2", wait_s=0.0)
+            # Code that outlives a cancellation (a cleanup, a shield) still returns the lease.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(DEADLINE_S)
+            return got
+
+        with pytest.raises(WaitTimeout, match="did not finish"):
+            gw._call(claim_then_outlive_cancel(), timeout_s=0.1)
+        _claim_again(gw, "k2")
+
+
+def test_a_call_abandoned_before_it_started_never_runs(redis_url: str, pg_url: str) -> None:
+    ran: list[str] = []
+    with SyncGateway(redis_url, pg_url) as gw:
+
+        async def record() -> None:
+            ran.append("ran")
+
+        # The loop thread is busy past the caller's timeout before the call even starts.
+        gw._loop.call_soon_threadsafe(time.sleep, 0.3)
+        with pytest.raises(WaitTimeout, match="did not finish"):
+            gw._call(record(), timeout_s=0.1)
+        gw.stats()  # a later call runs after the abandoned one would have
+        assert ran == []
 
 
 def test_many_threads_one_created_per_value(redis_url: str, pg_url: str) -> None:
