@@ -37,7 +37,8 @@ import orjson
 
 from dedup._engine.once import Lease, begin
 from dedup._values import validate_kind
-from dedup.errors import DedupError, InvalidInput, WaitTimeout
+from dedup.errors import DedupError, InvalidInput, Unavailable, WaitTimeout
+from dedup.urls import redact
 
 if TYPE_CHECKING:
     from dedup.gateway import Gateway
@@ -83,6 +84,8 @@ one gets 413. aiohttp's own ``client_max_size`` default is the same."""
 
 _ALWAYS_KEPT = ("content-type", "location")
 _RECORD_VERSION = 1
+# The fixed text of a 503, by the failing component (Unavailable.component).
+_UNAVAILABLE = {"redis": "Redis is unavailable", "database": "the database is unavailable"}
 _PROBLEM_TYPE = "application/problem+json"
 
 Mode = Literal["replay", "ingest"]
@@ -358,14 +361,21 @@ class Idempotency:
             raise TypeError("a fingerprint function returns bytes or str")
         return hashlib.sha256(raw).hexdigest()
 
-    @staticmethod
-    def value(key: str, scope: str | None) -> str:
-        """The Gateway value of ``key`` in ``scope``: the scope's length first, so no
-        pair of (scope, key) can spell another's."""
-        if scope is None or scope == "":
-            return key
-        if not isinstance(scope, str):
+    def value(self, key: str, scope: str | None) -> str:
+        """The Gateway value of ``key`` in ``scope``: ``"<len(scope)>:<scope>:<key>"``, the
+        scope's length first, so no pair of (scope, key) can spell another's.
+
+        With a ``scope`` function, a request it gives no scope (None or ``""``) is
+        encoded the same way, as ``"0::<key>"``: were its raw key used, a client without
+        a scope could send ``Idempotency-Key: 3:abc:x`` and reach tenant ``abc``'s key
+        ``x``. Only without a scope function is the raw key the value (so the keys that
+        unscoped middlewares stored stay valid).
+        """
+        if scope is not None and not isinstance(scope, str):
             raise InvalidInput("scope(request) must return a str or None", field="scope")
+        if self.scope is None and not scope:
+            return key
+        scope = scope or ""
         return f"{len(scope)}:{scope}:{key}"
 
     # -------------------------------------------------------------- the claim
@@ -387,21 +397,40 @@ class Idempotency:
     def error(self, exc: DedupError) -> Response:
         """The answer to an error of the claim: 400 for a bad key, 409 with Retry-After
         while the key is in flight, 503 with Retry-After when Redis or the database
-        cannot serve (degraded mode included: a second run could not be ruled out)."""
+        cannot serve (degraded mode included: a second run could not be ruled out).
+
+        A 503 says which component failed, never how: the error's text may hold driver
+        messages, hosts and ports, which are for the server's log, not for clients."""
         retry = (("Retry-After", self.retry_after),)
         if isinstance(exc, InvalidInput):
             return problem(400, "invalid_key", str(exc))
         if isinstance(exc, WaitTimeout):
             detail = "a request with this idempotency key is still being handled; retry later"
             return problem(409, "in_progress", detail, retry)
-        return problem(503, "unavailable", str(exc), retry)
+        detail = "the idempotency store is unavailable"  # the Gateway closed, say
+        if isinstance(exc, Unavailable):
+            detail = _UNAVAILABLE.get(exc.component, detail)
+        log.warning("answered 503 to a request with an idempotency key: %s", redact(str(exc)))
+        return problem(503, "unavailable", f"{detail}; retry later", retry)
 
     def answer_saved(self, payload: Any, fingerprint: str | None) -> Response:
-        """The answer to a request whose key is saved with ``payload``."""
+        """The answer to a request whose key is saved with ``payload``.
+
+        A key saved with no record to replay (no payload, or one without a status: a
+        plain ``save`` of this kind) gets a 422, not a made-up 200: there is no first
+        response to give back, and running the handler could repeat what that save
+        stood for."""
         if self.mode == "ingest":
             json_type = (("Content-Type", "application/json"),)
             return Response(self.duplicate_status, json_type, b'{"duplicate":true}')
-        stored_fp, first = _decode(payload)
+        decoded = _decode(payload)
+        if decoded is None:
+            return problem(
+                422,
+                "key_mismatch",
+                "this idempotency key is saved without a response to replay; use a new key",
+            )
+        stored_fp, first = decoded
         if fingerprint is not None and stored_fp is not None and fingerprint != stored_fp:
             return problem(
                 422,
@@ -485,13 +514,15 @@ def _encode_body(body: bytes | None) -> dict[str, Any]:
     return {"body": base64.b64encode(body).decode("ascii"), "b64": True}
 
 
-def _decode(payload: Any) -> tuple[str | None, Response]:
+def _decode(payload: Any) -> tuple[str | None, Response] | None:
     """(fingerprint, response) of a stored record. A payload of another shape (a key
-    saved by an older middleware or by a plain ``save``) replays its status, if it
-    has one, with no body and no fingerprint to compare."""
+    saved by an older middleware) replays its status with no body and no fingerprint
+    to compare; one with no status (None: a plain ``save``) is no record: None."""
     if not isinstance(payload, dict) or payload.get("v") != _RECORD_VERSION:
         status = payload.get("status") if isinstance(payload, dict) else None
-        return None, Response(status if isinstance(status, int) else 200, (), None)
+        if type(status) is not int or not 100 <= status <= 599:
+            return None
+        return None, Response(status, (), None)
     raw = payload.get("body")
     body: bytes | None
     if raw is None:

@@ -6,6 +6,7 @@ Redis and PostgreSQL real too. The apps are in tests/middleware_apps.py."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,7 +24,7 @@ import dedup.aiohttp
 import dedup.asgi
 import dedup.wsgi
 from dedup import Gateway, InvalidInput
-from dedup._idempotency import json_fingerprint
+from dedup._idempotency import Idempotency, json_fingerprint
 from tests.middleware_apps import FRAMEWORKS, count_runs, serve
 
 DEADLINE_S = 60.0
@@ -247,6 +248,24 @@ async def test_keys_are_scoped(app: Setup) -> None:
     again = await call(base, "k", "x", headers={"X-Tenant": "a"})
     assert again.replayed and again.body == a.body
     assert app.count() == 2
+    # A request without a scope cannot spell tenant a's key "k" ("1:a:k" is how the
+    # scoped key is stored): it is a key of its own, and runs.
+    unscoped = await call(base, "1:a:k", "x")
+    assert unscoped.status == 201 and not unscoped.replayed and unscoped.body != a.body
+    assert (await call(base, "1:a:k", "x")).body == unscoped.body
+    assert (await call(base, "k", "x", headers={"X-Tenant": "a"})).body == a.body
+    assert app.count() == 3
+
+
+def test_scoped_and_unscoped_keys_never_meet() -> None:
+    scoped = Idempotency(scope=lambda request: None)
+    assert scoped.value("3:abc:x", None) != scoped.value("x", "abc") == "3:abc:x"
+    assert scoped.value("k", None) == scoped.value("k", "") == "0::k"
+    assert scoped.value("0::k", None) != scoped.value("k", None)
+    with pytest.raises(InvalidInput):
+        scoped.value("k", 1)  # type: ignore[arg-type]
+    # Without a scope function the key is the value, as the keys stored so far are.
+    assert Idempotency().value("3:abc:x", None) == "3:abc:x"
 
 
 async def test_a_body_over_the_cap_replays_status_and_headers(app: Setup, pg_url: str) -> None:
@@ -264,6 +283,70 @@ async def test_a_body_over_the_cap_replays_status_and_headers(app: Setup, pg_url
     assert stored["small"]["body"].encode() == small.body
     assert stored["small"]["status"] == 201 and len(stored["small"]["fp"]) == 64
     assert app.count() == 2
+
+
+async def forget(pg_url: str, kind: str) -> None:
+    """Delete the rows of ``kind`` and only them: the Redis markers stay."""
+    conn = await asyncpg.connect(pg_url)
+    try:
+        await conn.execute("DELETE FROM dedup_items WHERE kind = $1", kind)
+    finally:
+        await conn.close()
+
+
+async def test_a_key_whose_row_was_deleted_runs_the_handler_again(app: Setup, pg_url: str) -> None:
+    """A key forgotten by deleting its row, while the Redis marker (kept forever by
+    default) and the local tier still say it is saved, runs the handler again: no
+    made-up 200 with an empty body and Idempotent-Replayed."""
+    base = await app.build(kind="orders")
+    first = await call(base, "k", "a")
+    assert first.status == 201 and (await call(base, "k", "a")).replayed
+    await forget(pg_url, "orders")
+    second = await call(base, "k", "a")  # this process's local tier says saved
+    assert second.status == 201 and not second.replayed and second.body != first.body
+    assert "Idempotent-Body-Omitted" not in second.headers
+    again = await call(base, "k", "a")
+    assert again.replayed and again.body == second.body
+    await forget(pg_url, "orders")
+    fresh = await app.build(kind="orders")  # another Gateway: only Redis says saved
+    third = await call(fresh, "k", "a")
+    assert third.status == 201 and not third.replayed and third.body != second.body
+    assert (await call(base, "k", "a")).body == third.body
+    assert app.count() == 3
+
+
+async def test_a_key_saved_without_a_record_is_not_replayed(
+    app: Setup, redis_url: str, pg_url: str
+) -> None:
+    """A key saved by a plain save of the kind has no response to replay: a 422 says
+    so, rather than a made-up empty 200 (an older record's status is still replayed)."""
+    async with Gateway(redis_url, pg_url) as gw:
+        assert (await gw.save("orders", "plain")).created
+        assert (await gw.save("orders", "old", {"status": 202})).created
+    base = await app.build(kind="orders")
+    assert_problem(await call(base, "plain", "a"), 422, "key_mismatch")
+    old = await call(base, "old", "a")
+    assert (old.status, old.body, old.replayed) == (202, b"", True)
+    assert app.count() == 0
+
+
+async def test_a_store_that_fails_is_a_503_that_names_it_without_details(
+    app: Setup, pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    base = await app.build(kind="orders")
+    assert (await call(base, "k", "a")).status == 201
+    conn = await asyncpg.connect(pg_url)
+    try:  # the database now fails every read of the table, with a driver error
+        await conn.execute("ALTER TABLE dedup_items RENAME TO dedup_items_gone")
+    finally:
+        await conn.close()
+    with caplog.at_level(logging.WARNING, logger="dedup"):
+        answer = await call(base, "k2", "a")
+    assert_problem(answer, 503, "unavailable")
+    assert answer.headers["Retry-After"] == "1"
+    assert answer.json()["detail"] == "the database is unavailable; retry later"
+    assert "dedup_items" in caplog.text  # the driver's message is logged, not sent
+    assert app.count() == 1
 
 
 async def payloads(pg_url: str, kind: str) -> dict[str, Any]:

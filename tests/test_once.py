@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 import redis as sync_redis
 
@@ -159,6 +160,61 @@ async def test_a_row_without_a_marker_is_found_in_the_database(redis_url: str, p
             raise AssertionError("must not run: the row exists")
 
         assert await send("x@example.com") == "stored"
+
+
+async def _forget(pg_url: str, kind: str) -> None:
+    """What docs/embedding.md once advised to forget keys: delete the rows, and only them."""
+    conn = await asyncpg.connect(pg_url)
+    try:
+        await conn.execute("DELETE FROM dedup_items WHERE kind = $1", kind)
+    finally:
+        await conn.close()
+
+
+# The three ways Redis records "saved": a hash field, the lease key's "1", Bloom bits.
+_LAYOUTS: dict[str, dict[str, Any]] = {
+    "compact": {},
+    "keys": {"marker_layout": "keys"},
+    "approximate": {"approximate_values": 10_000},
+}
+
+
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+async def test_a_value_whose_row_was_deleted_runs_again(
+    redis_url: str, pg_url: str, layout: str
+) -> None:
+    """A value forgotten by deleting its row, while Redis (markers kept forever by
+    default) and the local tier still say "saved", is run again: never answered with a
+    made-up payload for a row that does not exist."""
+    options: dict[str, Any] = {**_LAYOUTS[layout], "lease_ms": 300}
+    runs: list[str] = []
+
+    async def send(address: str) -> dict[str, int]:
+        runs.append(address)
+        await asyncio.sleep(1.0)  # three leases long: only renewals keep it
+        return {"run": len(runs)}
+
+    async with Gateway(redis_url, pg_url, **options) as gw:
+        once = gw.once("mail")(send)
+        assert await once("a@example.com") == {"run": 1}
+        await _forget(pg_url, "mail")
+        # The local tier of this Gateway, and Redis, still say saved.
+        assert await once("a@example.com") == {"run": 2}
+        assert await once("a@example.com") == {"run": 2}  # saved again: no run
+        assert await gw.get("mail", "a@example.com") == {"run": 2}
+        await _forget(pg_url, "mail")
+    # Fresh Gateways (other processes: no local tier), only the Redis marker says saved.
+    # Concurrent callers in two of them: one reclaims the value and runs it, renewing its
+    # lease past three leases, the others wait for its outcome.
+    async with (
+        Gateway(redis_url, pg_url, **options) as one,
+        Gateway(redis_url, pg_url, **options) as two,
+    ):
+        calls = [g.once("mail")(send)("a@example.com") for g in (one, two) for _ in range(3)]
+        results = await asyncio.wait_for(asyncio.gather(*calls), DEADLINE_S)
+        assert results == [{"run": 3}] * 6
+        assert await two.get("mail", "a@example.com") == {"run": 3}
+    assert runs == ["a@example.com"] * 3
 
 
 async def test_bad_input_and_results_are_typed(gw: Gateway) -> None:

@@ -45,6 +45,7 @@ from dedup._claims.scripts import (
     COMMIT,
     COMMIT_BLOOM,
     COMMIT_COMPACT,
+    RECLAIM,
 )
 from dedup._redis.connect import info_of_every_node
 from dedup._redis.script import (
@@ -78,6 +79,7 @@ class _Scripts:
         "commit_bloom",
         "commit_compact",
         "cross",
+        "reclaim",
         "variant",
     )
 
@@ -90,7 +92,10 @@ class _Scripts:
         self.commit_compact = Script(render(COMMIT_COMPACT, variant))
         self.claim_bloom = Script(render(CLAIM_BLOOM, variant))
         self.commit_bloom = Script(render(COMMIT_BLOOM, variant))
-        self.claims = (self.claim, self.claim_compact, self.claim_bloom)
+        self.reclaim = Script(render(RECLAIM, variant))
+        # The scripts that answer a letter per key (a cluster batch's answers are merged
+        # back into key order for these).
+        self.claims = (self.claim, self.claim_compact, self.claim_bloom, self.reclaim)
         every = (*self.claims, self.commit, self.abort, self.commit_compact, self.commit_bloom)
         # Each script's cluster form: one call per node for keys of many slots.
         self.cross = {script: Script(cross_slot(script.source, variant)) for script in every}
@@ -322,6 +327,22 @@ class Claims:
         scripts = await self._variant_scripts()
         results = await self._run(scripts.abort, keys, lambda ks: (ks, args))
         return sum(int(r) for r in results)
+
+    async def reclaim(self, keys: Sequence[bytes]) -> str:
+        """Claim values whose saved marker outlived their row, ignoring that marker: one
+        letter per key, ``W`` won (lease held) or ``B`` busy (another claimant's lease).
+
+        Only for a key that :meth:`claim` answered ``S`` while the database has no row
+        for it (the row was deleted, the marker kept): the caller must read the row again
+        once it holds the lease, since another runner may have written it in between.
+        The marker itself stays (a Bloom bit cannot be cleared alone); the commit that
+        ends the run writes it again. A lease taken here is renewed through this method
+        too, because :meth:`claim` would keep answering ``S`` for it.
+        """
+        args = (self._token, self._lease)
+        scripts = await self._variant_scripts()
+        results = await self._run(scripts.reclaim, keys, lambda ks: (ks, args))
+        return "".join(r.decode() if isinstance(r, bytes) else r for r in results)
 
     async def states(self, keys: Sequence[bytes]) -> str:
         """One letter per key, read without writing (for tests, tools and debugging, not

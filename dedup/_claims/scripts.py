@@ -17,7 +17,7 @@ recorded depends on the layout:
 
 The compact and approximate claims also answer "saved" for a ``"1"`` under the lease
 key, so markers written in the old layout keep counting. Tokens are never ``"1"``.
-:data:`ABORT` serves every layout.
+:data:`ABORT` and :data:`RECLAIM` serve every layout.
 
 The sources above call three Lua helpers (``lease_or_get``, ``set_get``, ``getdel``)
 for the steps whose best command depends on the server's version; :func:`render` makes
@@ -38,6 +38,7 @@ __all__ = [
     "COMMIT",
     "COMMIT_BLOOM",
     "COMMIT_COMPACT",
+    "RECLAIM",
 ]
 
 
@@ -251,4 +252,34 @@ for _, key in ipairs(KEYS) do
   end
 end
 return n
+"""
+
+RECLAIM = """
+-- KEYS: lease keys of values a claim answered saved but whose rows are gone (deleted
+--   from the database while Redis kept the saved marker)
+-- ARGV[1]: the claimant's token; ARGV[2]: the lease in milliseconds
+-- Returns: one letter per key, in order: W = won (lease set over nothing or over an
+--   old-layout "1", or extended because the token is already ours), B = busy
+--   (another claimant's lease)
+-- The layout's own markers (compact fields, Bloom bits) are left alone, and not read:
+-- a Bloom bit cannot be cleared without clearing other values' bits, and the commit
+-- that ends the run writes the marker again anyway. The lease key alone excludes a
+-- second runner; the caller reads the row again under the lease, so a row written
+-- meanwhile by another runner is found before anything runs.
+local token, lease = ARGV[1], ARGV[2]
+local out = {}
+for i = 1, #KEYS do
+  local key = KEYS[i]
+  local v = redis.call('GET', key)
+  if v == token then
+    redis.call('PEXPIRE', key, lease)
+    out[i] = 'W'
+  elseif not v or v == '1' then
+    redis.call('SET', key, token, 'PX', lease)
+    out[i] = 'W'
+  else
+    out[i] = 'B'
+  end
+end
+return table.concat(out)
 """

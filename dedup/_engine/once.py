@@ -147,9 +147,11 @@ class RunOnceState:
     Redis. That token is not the one of the Gateway's saves: a ``save()`` of a value
     being run here waits for the run as a save in another process does, rather than
     re-claim the run's lease as its own and write the row under it.
+
+    ``reclaim`` claims a value whose saved marker outlived its row (see :func:`begin`).
     """
 
-    __slots__ = ("abort", "claim", "commit", "running")
+    __slots__ = ("abort", "claim", "commit", "reclaim", "running")
 
     def __init__(self, parts: EngineParts) -> None:
         claims = parts.claims.under_own_token()
@@ -166,10 +168,14 @@ class RunOnceState:
             await claims.abort(keys)
             return [""] * len(keys)
 
+        async def reclaim(keys: list[bytes]) -> list[str]:
+            return list(await claims.reclaim(keys))
+
         self.running: dict[bytes, asyncio.Future[None]] = {}
         self.claim = _Batched(claim, gate)
         self.commit = _Batched(commit, gate)
         self.abort = _Batched(abort, gate)
+        self.reclaim = _Batched(reclaim, gate)
 
 
 class RunOnceHost(Protocol):
@@ -230,6 +236,17 @@ async def _fetch(parts: EngineParts, kind: str, digest: bytes) -> tuple[bool, st
         raise Unavailable(f"the database read failed: {exc!r}", component="database") from None
 
 
+def _forget_local(parts: EngineParts, kind: str, value: str, digest: bytes) -> None:
+    """Drop a value from the local tier (and its text from the fronts): its row is gone,
+    so this process must stop answering it as saved. The tier has no removal of its own
+    (saved was meant to be forever), hence its documented entry maps are used."""
+    local = parts.local
+    local.entries.pop(local.key(kind, digest), None)
+    front = local.fronts.get(kind)
+    if front is not None:
+        front.pop(value, None)
+
+
 def _release(
     running: dict[bytes, asyncio.Future[None]], key: bytes, fut: asyncio.Future[None]
 ) -> None:
@@ -244,14 +261,16 @@ class Lease:
     """A won claim on one value: the caller runs the work, then :meth:`finish` or :meth:`fail`.
 
     A watchdog task re-claims the value every third of ``lease_ms`` (a re-claim of
-    a lease this Gateway holds extends it) until the lease is finished or failed.
+    a lease this Gateway holds extends it) until the lease is finished or failed. A
+    lease won over a stale saved marker (``reclaimed``) is renewed the way it was
+    taken, as a plain claim would keep answering "saved" for it.
     If the lease was lost meanwhile (the process was paused past it and another
     runner took over), ``lost`` is True; the database's unique key still decides
     whose payload is stored.
     """
 
-    __slots__ = ("_done", "_parts", "_state", "_watchdog", "digest", "key", "kind", "lost",
-                 "value")  # fmt: skip
+    __slots__ = ("_done", "_parts", "_renewal", "_state", "_watchdog", "digest", "key", "kind",
+                 "lost", "value")  # fmt: skip
 
     def __init__(
         self,
@@ -262,6 +281,8 @@ class Lease:
         key: bytes,
         state: RunOnceState,
         done: asyncio.Future[None],
+        *,
+        reclaimed: bool = False,
     ) -> None:
         self._parts = parts
         self.kind = kind
@@ -270,6 +291,7 @@ class Lease:
         self.key = key
         self._state = state
         self._done = done
+        self._renewal = state.reclaim if reclaimed else state.claim
         self.lost = False
         self._watchdog = asyncio.get_running_loop().create_task(
             self._renew(), name="dedup-once-watchdog"
@@ -280,7 +302,7 @@ class Lease:
         while True:
             await asyncio.sleep(period_s)
             try:
-                letter = await self._state.claim(self.key)
+                letter = await self._renewal(self.key)
             except (RedisError, OSError) as exc:
                 # One failed renewal is not yet a lost lease: two more chances remain.
                 log.warning("could not renew the lease of a run-once value: %r", exc)
@@ -364,13 +386,22 @@ async def begin(
     Raises :class:`InvalidInput`, :class:`WaitTimeout`, :class:`Unavailable` (also
     while the Gateway is degraded: without Redis two runners could not be told
     apart), or :class:`DedupError` when the Gateway is not open or has a custom sink.
+
+    "Saved" is only answered with the row in hand. A value the local tier or the Redis
+    marker calls saved while its row is gone (deleted from ``dedup_items`` to forget it,
+    the marker kept) is forgotten here and claimed again over the stale marker: the
+    caller gets a :class:`Lease` and runs the work, rather than a made-up empty payload.
     """
     kind = validate_kind(kind)
     parts = gw._parts()
     digest = validate_value(value, parts.limits)
     _default_sink(parts)
     if (kind, digest) in parts.local:
-        return Saved(_decode((await _fetch(parts, kind, digest))[1]))
+        exists, payload_json = await _fetch(parts, kind, digest)
+        if exists:
+            return Saved(_decode(payload_json))
+        # The row was deleted after this process saw it saved: the entry is stale.
+        _forget_local(parts, kind, value, digest)
     key = parts.keys.key(kind, digest)
     state = _state(gw, parts)
     running = state.running
@@ -408,8 +439,25 @@ async def begin(
             except (RedisError, OSError) as exc:
                 parts.stats.redis_errors += 1
                 raise Unavailable(f"Redis failed a claim: {exc!r}", component="redis") from None
+            reclaimed = False
+            if letter == "S":
+                exists, payload_json = await _fetch(parts, kind, digest)
+                if exists:
+                    parts.local.add(kind, digest)
+                    return Saved(_decode(payload_json))
+                # Redis marks the value saved but its row is gone (deleted to forget the
+                # value, the marker kept): answering "saved" would hand out a payload
+                # that does not exist. Claim it over the marker instead; the row is read
+                # again under the lease below, in case another runner wrote it meanwhile.
+                log.info("a run-once value is marked saved in Redis but has no row: reclaimed")
+                try:
+                    letter = await state.reclaim(key)
+                except (RedisError, OSError) as exc:
+                    parts.stats.redis_errors += 1
+                    raise Unavailable(f"Redis failed a claim: {exc!r}", component="redis") from None
+                reclaimed = True
             if letter == "W":
-                lease = Lease(parts, kind, value, digest, key, state, mine)
+                lease = Lease(parts, kind, value, digest, key, state, mine, reclaimed=reclaimed)
                 # The row may exist with no marker (a plain save whose marker was lost,
                 # or a Redis that restarted empty): then the database has the answer.
                 exists, payload_json = await _fetch(parts, kind, digest)
@@ -421,9 +469,6 @@ async def begin(
                     await state.commit(key)
                 parts.local.add(kind, digest)
                 return Saved(_decode(payload_json))
-            if letter == "S":
-                parts.local.add(kind, digest)
-                return Saved(_decode((await _fetch(parts, kind, digest))[1]))
         except BaseException:
             if lease is not None:
                 await lease.fail()
