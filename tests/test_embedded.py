@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dedup import ConfigError, Gateway
+from dedup import ConfigError, Gateway, Unavailable
 from dedup._redis.embedded import find_redis_server, hash_entries_option, server_version
 from dedup._redis.server import script_variant
 
@@ -133,3 +133,35 @@ async def test_embedded_redis_gets_options_its_version_reads(tmp_path: Path) -> 
         assert gw._backends.variant is script_variant(info)
         assert (await gw.save("email", "a")).created
         assert not (await gw.save_many([("email", "a")]))[0].created
+
+
+async def test_a_write_waiting_on_a_locked_file_fails_cleanly_and_leaves_no_lock(
+    tmp_path: Path,
+) -> None:
+    """Another connection holds the SQLite file's write lock past the statement's bound:
+    the save fails with a typed error, and once that connection commits, saves and
+    other writers of the file go on at once (a statement cut off mid-wait used to keep
+    the lock, for every writer, until the garbage collector freed its connection).
+    Every committed row is durable: synchronous is FULL."""
+    db = tmp_path / "shared.sqlite3"
+    async with Gateway(
+        database_url=f"sqlite:///{db}", data_dir=tmp_path, migrate=True, lease_ms=2000
+    ) as gw:
+        assert (await gw.save("k", "warm")).created
+        other = sqlite3.connect(db, isolation_level=None, timeout=0.1)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            with pytest.raises(Unavailable):
+                await asyncio.wait_for(gw.save("k", "while-locked"), 30)
+            other.execute("COMMIT")
+            result = await asyncio.wait_for(gw.save("k", "after"), 30)
+            assert result.created
+            other.execute("BEGIN IMMEDIATE")  # the file's lock is free for others too
+            other.execute("ROLLBACK")
+        finally:
+            other.close()
+        sink = gw._backends.default_sink
+        assert sink is not None
+        engine = sink._require_engine()  # type: ignore[attr-defined]
+        async with engine.connect() as conn:
+            assert (await conn.exec_driver_sql("PRAGMA synchronous")).scalar() == 2  # FULL

@@ -199,8 +199,13 @@ class PostgresSink:
 class SqliteSink:
     """Writes ``dedup_items`` in a SQLite file (the embedded default).
 
-    SQLite has one writer at a time; WAL lets readers go on meanwhile. The
-    default ``synchronous`` level is kept so a committed row is durable.
+    SQLite has one writer at a time; WAL lets readers go on meanwhile. ``synchronous``
+    is set to FULL, whatever the library was built with, so that a committed row is
+    durable. A writer waits for the file's lock for at most four fifths of the
+    statement bound, so that SQLite's own "database is locked" ends the wait: the bound
+    that cancels a statement (``write_timeout_ms``) would otherwise cut it off mid-way,
+    and a connection cut off like that kept the file's write lock, for every writer of
+    every process, until the garbage collector freed it.
     """
 
     def __init__(self, url: str, *, statement_timeout_ms: int) -> None:
@@ -208,23 +213,30 @@ class SqliteSink:
         self.identity = default_identity(url)
         """Which file and table this sink writes (see :func:`sink_identity`)."""
         self._timeout_s = statement_timeout_ms / 1000
+        # SQLite's busy timeout, inside the statement's bound (see the class docstring).
+        self._busy_s = 0.8 * self._timeout_s
         self._engine: AsyncEngine | None = None
 
     async def open(self) -> None:
         """Open the engine and check that the schema is there."""
         engine = create_async_engine(
-            self._url, connect_args={"timeout": self._timeout_s}, pool_size=1, max_overflow=0
+            self._url, connect_args={"timeout": self._busy_s}, pool_size=1, max_overflow=0
         )
 
         @sa.event.listens_for(engine.sync_engine, "connect")
         def _pragmas(dbapi_connection: Any, _record: Any) -> None:
             cursor = dbapi_connection.cursor()
             cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=FULL")
             cursor.close()
 
         self._engine = engine
-        async with engine.connect() as conn:
-            exists = await conn.run_sync(lambda c: sa.inspect(c).has_table("dedup_items"))
+        try:
+            async with engine.connect() as conn:
+                exists = await conn.run_sync(lambda c: sa.inspect(c).has_table("dedup_items"))
+        except BaseException:
+            await self.aclose()  # the caller registers aclose only after a good open
+            raise
         if not exists:
             await self.aclose()
             raise ConfigError(
