@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -165,3 +168,54 @@ async def test_a_write_waiting_on_a_locked_file_fails_cleanly_and_leaves_no_lock
         engine = sink._require_engine()  # type: ignore[attr-defined]
         async with engine.connect() as conn:
             assert (await conn.exec_driver_sql("PRAGMA synchronous")).scalar() == 2  # FULL
+
+
+async def test_a_server_left_by_a_killed_gateway_is_stopped_by_the_next(tmp_path: Path) -> None:
+    """A Gateway on the embedded default is SIGKILLed: its redis-server lives on (nobody
+    stopped it). The next Gateway on that data_dir stops it before starting its own,
+    so killed runs do not pile up servers."""
+    code = (
+        "import asyncio, sys\n"
+        "from dedup import Gateway\n"
+        "async def main():\n"
+        "    async with Gateway(data_dir=sys.argv[1]):\n"
+        "        print('ready', flush=True)\n"
+        "        await asyncio.sleep(3600)\n"
+        "asyncio.run(main())\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)
+        assert line.strip() == "ready"
+        left = int((tmp_path / "redis.pid").read_text())
+        child.kill()
+        child.wait(30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
+        if child.stdout is not None:
+            child.stdout.close()
+    try:
+        assert _running(left)  # the killed Gateway's server lives on
+        async with Gateway(data_dir=tmp_path) as gw:
+            assert not _running(left)
+            assert int((tmp_path / "redis.pid").read_text()) != left
+            assert (await gw.save("k", "after-a-kill")).created
+        assert not (tmp_path / "redis.pid").exists()
+    finally:
+        if _running(left):
+            os.kill(left, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs: a process that exited and that nobody reaped (an orphan of
+    a killed parent, on a system whose init is slow to reap) counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import IO
 
@@ -135,6 +136,7 @@ class EmbeddedRedis:
         self._proc: subprocess.Popen[bytes] | None = None
         self._socket_dir: str | None = None
         self.socket_path = self.data_dir / "redis.sock"
+        self._pid_file = self.data_dir / "redis.pid"
 
     @property
     def url(self) -> str:
@@ -149,6 +151,9 @@ class EmbeddedRedis:
             # Unix socket paths are limited to 107 bytes: fall back to a private /tmp folder.
             self._socket_dir = tempfile.mkdtemp(prefix="dedup-")
             self.socket_path = Path(self._socket_dir) / "redis.sock"
+        # A server left running by a Gateway that was killed (SIGKILL, or a SIGTERM with
+        # no handler: its aclose never ran) would live on beside the new one.
+        await asyncio.to_thread(_stop_stale, self._pid_file, self.data_dir)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()  # left by a crashed run; data_dir is locked, so it is ours
         log = self.data_dir / "redis.log"
@@ -170,6 +175,7 @@ class EmbeddedRedis:
         self._proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
+        self._pid_file.write_text(str(self._proc.pid))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._start_timeout_s
         while True:
@@ -197,11 +203,44 @@ class EmbeddedRedis:
             except (subprocess.TimeoutExpired, asyncio.CancelledError):
                 proc.kill()
                 proc.wait()
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()
+        for left in (self.socket_path, self._pid_file):
+            with contextlib.suppress(FileNotFoundError):
+                left.unlink()
         if self._socket_dir is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
             self._socket_dir = None
+
+
+def _stop_stale(pid_file: Path, data_dir: Path) -> None:
+    """Stop the redis-server that ``pid_file`` names if it still runs in ``data_dir``
+    (redis-server works in its ``--dir``; its command line is rewritten, so /proc's cwd
+    and comm are read instead: a PID reused by another program is left alone; where
+    there is no /proc, nothing is stopped): SIGTERM, then SIGKILL after 5 s. Called
+    with data_dir locked, so no live Gateway owns that server."""
+    try:
+        pid = int(pid_file.read_text().strip())
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except (OSError, ValueError):
+        return
+    if cwd != str(data_dir) or not comm.startswith("redis"):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs (an exited process nobody reaped yet does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 async def _pings(path: Path) -> bool:
