@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 
 from dedup import ConfigError, Gateway, Unavailable
-from dedup._redis.embedded import find_redis_server, hash_entries_option, server_version
+from dedup._redis.embedded import (
+    EmbeddedRedis,
+    find_redis_server,
+    hash_entries_option,
+    server_version,
+)
 from dedup._redis.server import script_variant
 
 
@@ -219,3 +224,27 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
+async def test_a_cancelled_close_still_stops_the_server_and_stays_cancelled(
+    tmp_path: Path,
+) -> None:
+    """The close of the embedded server is cancelled while it waits for the server to
+    exit (stopped, so it cannot): the server is killed, its files go, and the
+    cancellation reaches the caller rather than being swallowed."""
+    server = EmbeddedRedis(tmp_path)
+    await server.start()
+    pid = int((tmp_path / "redis.pid").read_text())
+    os.kill(pid, signal.SIGSTOP)  # SIGTERM waits: the close waits for its 5 s
+    try:
+        closing = asyncio.create_task(server.aclose())
+        await asyncio.sleep(0.2)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(closing, 30)
+        assert not _running(pid)
+        assert not (tmp_path / "redis.pid").exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)

@@ -200,9 +200,17 @@ class EmbeddedRedis:
             proc.send_signal(signal.SIGTERM)
             try:
                 await asyncio.to_thread(proc.wait, 5.0)
-            except (subprocess.TimeoutExpired, asyncio.CancelledError):
+            except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            except asyncio.CancelledError:
+                proc.kill()  # the server still goes, and the cancellation goes on
+                proc.wait()
+                self._remove_files()
+                raise
+        self._remove_files()
+
+    def _remove_files(self) -> None:
         for left in (self.socket_path, self._pid_file):
             with contextlib.suppress(FileNotFoundError):
                 left.unlink()
