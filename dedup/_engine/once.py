@@ -236,6 +236,17 @@ async def _fetch(parts: EngineParts, kind: str, digest: bytes) -> tuple[bool, st
         raise Unavailable(f"the database read failed: {exc!r}", component="database") from None
 
 
+async def _claim_letter(
+    claim: Callable[[bytes], Awaitable[str]], key: bytes, parts: EngineParts
+) -> str:
+    """One claim of ``key`` (``claim`` or ``reclaim``): its letter, or Unavailable."""
+    try:
+        return await claim(key)
+    except (RedisError, OSError) as exc:
+        parts.stats.redis_errors += 1
+        raise Unavailable(f"Redis failed a claim: {exc!r}", component="redis") from None
+
+
 def _forget_local(parts: EngineParts, kind: str, value: str, digest: bytes) -> None:
     """Drop a value from the local tier (and its text from the fronts): its row is gone,
     so this process must stop answering it as saved. The tier has no removal of its own
@@ -434,11 +445,7 @@ async def begin(
         lease: Lease | None = None
         handed_over = False
         try:
-            try:
-                letter = await state.claim(key)
-            except (RedisError, OSError) as exc:
-                parts.stats.redis_errors += 1
-                raise Unavailable(f"Redis failed a claim: {exc!r}", component="redis") from None
+            letter = await _claim_letter(state.claim, key, parts)
             reclaimed = False
             if letter == "S":
                 exists, payload_json = await _fetch(parts, kind, digest)
@@ -450,11 +457,7 @@ async def begin(
                 # that does not exist. Claim it over the marker instead; the row is read
                 # again under the lease below, in case another runner wrote it meanwhile.
                 log.info("a run-once value is marked saved in Redis but has no row: reclaimed")
-                try:
-                    letter = await state.reclaim(key)
-                except (RedisError, OSError) as exc:
-                    parts.stats.redis_errors += 1
-                    raise Unavailable(f"Redis failed a claim: {exc!r}", component="redis") from None
+                letter = await _claim_letter(state.reclaim, key, parts)
                 reclaimed = True
             if letter == "W":
                 lease = Lease(parts, kind, value, digest, key, state, mine, reclaimed=reclaimed)
