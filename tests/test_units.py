@@ -156,6 +156,22 @@ def test_saved_cache_fronts_keep_their_values_in_the_tier() -> None:
     assert ("k", newer[-1]) in cache and ("k", newer[0]) not in cache  # LRU order kept
 
 
+def test_saved_cache_discard_forgets_a_value_by_entry_and_by_text() -> None:
+    # A value whose row was deleted (run-once forgets it): neither the tier nor the
+    # fronts answer it any more; other values, and other kinds, stay.
+    cache = SavedCache(100)
+    gone, kept = digest("gone"), digest("kept")
+    for d, text in ((gone, "gone"), (kept, "kept")):
+        cache.add("k", d)
+        cache.promote("k", text, cache.key("k", d))
+    cache.add("other", gone)
+    cache.discard("k", "gone", gone)
+    assert ("k", gone) not in cache and "gone" not in cache.fronts["k"]
+    assert ("k", kept) in cache and "kept" in cache.fronts["k"]
+    assert ("other", gone) in cache
+    cache.discard("unseen", "gone", gone)  # a kind never added: nothing to forget
+
+
 def test_saved_cache_add_many_is_add_in_bulk() -> None:
     # The fleet's saved values are learned in bulk: the same entries, order and bound
     # as one add each.

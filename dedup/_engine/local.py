@@ -190,6 +190,16 @@ class SavedCache:
         if len(entries) > self.maxsize:
             self._evict()
 
+    def discard(self, kind: str, value: str, digest: bytes) -> None:
+        """Forget one value, by its entry and by its text (its row was deleted): this
+        process stops answering it as saved."""
+        salt = self._salts.get(kind)
+        if salt is not None:  # no salt, no entry of this kind
+            self._entries.pop(salt ^ int.from_bytes(digest, "little"), None)
+        front = self._fronts.get(kind)
+        if front is not None and front.pop(value, None) is not None:
+            self._front_left += 1
+
     def _evict(self) -> None:
         """Drop the least recently used keys past ``maxsize``, and a chunk more."""
         entries = self._entries

@@ -247,17 +247,6 @@ async def _claim_letter(
         raise Unavailable(f"Redis failed a claim: {exc!r}", component="redis") from None
 
 
-def _forget_local(parts: EngineParts, kind: str, value: str, digest: bytes) -> None:
-    """Drop a value from the local tier (and its text from the fronts): its row is gone,
-    so this process must stop answering it as saved. The tier has no removal of its own
-    (saved was meant to be forever), hence its documented entry maps are used."""
-    local = parts.local
-    local.entries.pop(local.key(kind, digest), None)
-    front = local.fronts.get(kind)
-    if front is not None:
-        front.pop(value, None)
-
-
 def _release(
     running: dict[bytes, asyncio.Future[None]], key: bytes, fut: asyncio.Future[None]
 ) -> None:
@@ -412,7 +401,7 @@ async def begin(
         if exists:
             return Saved(_decode(payload_json))
         # The row was deleted after this process saw it saved: the entry is stale.
-        _forget_local(parts, kind, value, digest)
+        parts.local.discard(kind, value, digest)
     key = parts.keys.key(kind, digest)
     state = _state(gw, parts)
     running = state.running
