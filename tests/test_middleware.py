@@ -26,6 +26,7 @@ import dedup.wsgi
 from dedup import Gateway, InvalidInput
 from dedup._idempotency import Idempotency, json_fingerprint
 from tests.middleware_apps import FRAMEWORKS, count_runs, serve
+from tests.test_once import forget
 
 DEADLINE_S = 60.0
 ROOT = Path(__file__).resolve().parent.parent
@@ -283,15 +284,6 @@ async def test_a_body_over_the_cap_replays_status_and_headers(app: Setup, pg_url
     assert stored["small"]["body"].encode() == small.body
     assert stored["small"]["status"] == 201 and len(stored["small"]["fp"]) == 64
     assert app.count() == 2
-
-
-async def forget(pg_url: str, kind: str) -> None:
-    """Delete the rows of ``kind`` and only them: the Redis markers stay."""
-    conn = await asyncpg.connect(pg_url)
-    try:
-        await conn.execute("DELETE FROM dedup_items WHERE kind = $1", kind)
-    finally:
-        await conn.close()
 
 
 async def test_a_key_whose_row_was_deleted_runs_the_handler_again(app: Setup, pg_url: str) -> None:

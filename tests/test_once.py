@@ -162,8 +162,9 @@ async def test_a_row_without_a_marker_is_found_in_the_database(redis_url: str, p
         assert await send("x@example.com") == "stored"
 
 
-async def _forget(pg_url: str, kind: str) -> None:
-    """What docs/embedding.md once advised to forget keys: delete the rows, and only them."""
+async def forget(pg_url: str, kind: str) -> None:
+    """What docs/embedding.md once advised to forget keys: delete the rows of ``kind``,
+    and only them (the Redis markers stay). Also used by test_middleware."""
     conn = await asyncpg.connect(pg_url)
     try:
         await conn.execute("DELETE FROM dedup_items WHERE kind = $1", kind)
@@ -197,12 +198,12 @@ async def test_a_value_whose_row_was_deleted_runs_again(
     async with Gateway(redis_url, pg_url, **options) as gw:
         once = gw.once("mail")(send)
         assert await once("a@example.com") == {"run": 1}
-        await _forget(pg_url, "mail")
+        await forget(pg_url, "mail")
         # The local tier of this Gateway, and Redis, still say saved.
         assert await once("a@example.com") == {"run": 2}
         assert await once("a@example.com") == {"run": 2}  # saved again: no run
         assert await gw.get("mail", "a@example.com") == {"run": 2}
-        await _forget(pg_url, "mail")
+        await forget(pg_url, "mail")
     # Fresh Gateways (other processes: no local tier), only the Redis marker says saved.
     # Concurrent callers in two of them: one reclaims the value and runs it, renewing its
     # lease past three leases, the others wait for its outcome.
