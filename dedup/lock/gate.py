@@ -54,8 +54,9 @@ class Contender:
         # Its client's holder just yielded to other clients: let the signal of that
         # release pass, and try on the next one (or after a short grace).
         self.polite = False
-        # A handover to it failed with an unknown outcome: the lock may be held by its
-        # token, which no grant told it of. It releases that token before trying again.
+        # A handover to it, or an attempt of its own, failed with an unknown outcome: the
+        # lock may be held by its token, which no grant told it of. It releases that
+        # token before trying again (or acquire() does, if it gives up first).
         self.unsure = False
         self.left = False
         self.acquired = False  # it left holding the lock

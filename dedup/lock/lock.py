@@ -579,10 +579,11 @@ class Lock(RedisLock):
         return True
 
     async def _drop_unsure(self, contender: Contender) -> None:
-        """Release the token that a handover of unknown outcome may have given
-        ``contender``, before it tries again: its attempts with that token cannot
-        win while the token holds the lock. No attempt of its own is in flight (its
-        attempts and this call follow each other), so no hold of its own is lost."""
+        """Release the token that a handover, or an attempt of its own, of unknown
+        outcome may have given ``contender``, before it tries again: its attempts with
+        that token cannot win while the token holds the lock. No attempt of its own is
+        in flight (its attempts and this call follow each other), so no hold of its
+        own is lost."""
         contender.trying = True  # nobody hands it the lock meanwhile
         try:
             await self._release_call(contender.token)
@@ -627,21 +628,17 @@ class Lock(RedisLock):
                     acquired = True
                     return True
                 if contender is not None and contender.unsure:
-                    await self._drop_unsure(contender)
-                if lost_answer:
-                    # The last attempt's answer was lost: give back the grant it may
-                    # have carried, here and before the next attempt (a release left
-                    # running beside it could delete the lock that attempt wins).
-                    if contender is not None:
-                        contender.trying = True  # nobody hands it the lock meanwhile
+                    # Its token may hold the lock unknown to it (a handover's or its own
+                    # attempt's answer was lost): given back here, before the next
+                    # attempt (a release left running beside it could delete the lock
+                    # that attempt wins).
                     try:
-                        await self._release_call(raw)
-                        lost_answer = False
+                        await self._drop_unsure(contender)
                     except _LOST_ANSWER:
-                        pass  # still unknown: wait, and look again
-                    finally:
-                        if contender is not None:
-                            contender.trying = False
+                        if not lost_answer:
+                            raise  # a handover's unknown outcome: acquire() gives it back
+                        # still unknown after a lost answer: wait, and look again
+                    lost_answer = contender.unsure
                 acquired, pttl = False, 0
                 if not lost_answer:
                     flag = "0"
@@ -655,11 +652,13 @@ class Lock(RedisLock):
                     try:
                         acquired, pttl = await self._try(raw, flag, cleanup=False)
                     except _LOST_ANSWER:
-                        if self.reentrant:
+                        if contender is None:  # reentrant: no contender, no handover
                             raise  # a count that may or may not have grown: see _drop_unknown
                         # The server went away mid-attempt (a restart, a failover): no
-                        # call is sent twice, so a waiter waits on, as after a failed try.
-                        lost_answer = True
+                        # call is sent twice, so a waiter waits on, as after a failed try,
+                        # and gives back what the attempt may have won (above, or in
+                        # acquire() if it gives up first).
+                        contender.unsure = lost_answer = True
                     except Exception:
                         self._drop_unknown(raw)  # what _try does for its other callers
                         raise
