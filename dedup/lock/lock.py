@@ -329,13 +329,14 @@ class Lock(RedisLock):
 
     # ---------------------------------------------------------------- acquire
     async def _try(
-        self, token: bytes, waiting: str = "0", *, cleanup: bool = True
+        self, token: bytes, waiting: str = "0", *, own_lost: bool = False
     ) -> tuple[bool, int]:
         """One attempt: (True, fence) when granted, else (False, the holder's pttl).
         ``waiting``: "1" = the caller waits for a release if it fails (it flags
         itself), "2" = other waiters of this client wait too (a grant flags them).
-        ``cleanup``: when the answer is lost, give back in the background a grant it
-        may have carried (False: the caller does it before its next attempt)."""
+        When the answer is lost, a grant it may have carried is given back in the
+        background; ``own_lost``: not for a lost answer (:data:`_LOST_ANSWER`), which
+        the caller gives back itself before its next attempt."""
         loop = asyncio.get_running_loop()
         sent = loop.time()
         script = _ACQUIRE_REENTRANT if self.reentrant else _ACQUIRE
@@ -352,9 +353,9 @@ class Lock(RedisLock):
                 call.add_done_callback(self._background.discard)
             call.add_done_callback(lambda fut: self._undo_orphan(token, fut))
             raise
-        except BaseException:
+        except BaseException as exc:
             # The answer was lost; the lock may be ours without our knowing.
-            if cleanup:
+            if not (own_lost and isinstance(exc, _LOST_ANSWER)):
                 self._drop_unknown(token)
             raise
         if reply[0] != 1:
@@ -650,7 +651,7 @@ class Lock(RedisLock):
                     if contender is not None:
                         contender.trying = True
                     try:
-                        acquired, pttl = await self._try(raw, flag, cleanup=False)
+                        acquired, pttl = await self._try(raw, flag, own_lost=True)
                     except _LOST_ANSWER:
                         if contender is None:  # reentrant: no contender, no handover
                             raise  # a count that may or may not have grown: see _drop_unknown
@@ -659,9 +660,6 @@ class Lock(RedisLock):
                         # and gives back what the attempt may have won (above, or in
                         # acquire() if it gives up first).
                         contender.unsure = lost_answer = True
-                    except Exception:
-                        self._drop_unknown(raw)  # what _try does for its other callers
-                        raise
                     finally:
                         if contender is not None:
                             contender.trying = False
