@@ -59,6 +59,8 @@ REDIS6_FILES = frozenset(
         "test_cluster.py",
         "test_cluster_failover.py",
         "test_faults.py",
+        # The shared connection the save path and the lock send their scripts on.
+        "test_mux.py",
     }
 )
 """The test files that run again on Redis 6 (marked ``redis6`` at collection): the

@@ -19,12 +19,27 @@ from redis.exceptions import (
     RedisError,
 )
 
+from dedup._redis.mux import Mux
 from dedup._redis.packing import fast_packing
 from dedup.errors import ConfigError
 from dedup.urls import CLUSTER_SCHEMES, REDIS_SCHEMES, scrub
 
 __all__ = ["connect_redis", "info_of_every_node", "per_node", "probe_write", "unlink_matching"]
 _PROBE_PX = 10_000
+
+
+class MuxPool(BlockingConnectionPool):
+    """The pool of a single-server client: redis-py's blocking pool, plus one shared
+    connection (:class:`~dedup._redis.mux.Mux`, None where it cannot serve the URL) that
+    :func:`dedup._redis.script.exchange` sends the save path's and the lock's scripts
+    on. Disconnecting the pool (``aclose`` of its client) closes that one too."""
+
+    mux: Mux | None = None
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        if self.mux is not None:
+            await self.mux.disconnect()
+        await super().disconnect(inuse_connections)
 
 
 def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis | RedisCluster:
@@ -68,12 +83,13 @@ def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis 
         retry = Retry(
             ExponentialBackoff(cap=0.05, base=0.005), 2, supported_errors=(ConnectionError,)
         )
-        pool = BlockingConnectionPool.from_url(
+        pool = MuxPool.from_url(
             url, max_connections=max_connections, timeout=timeout_s, retry=retry, **common
         )
         # Batches of thousands of script arguments: pack them faster than redis-py does.
         pool.connection_class = fast_packing(pool.connection_class)
         pool.connection_class(**pool.connection_kwargs)  # builds options, opens nothing
+        pool.mux = Mux.for_pool(pool)
     except (TypeError, ValueError, RedisError) as exc:
         raise ConfigError(
             "redis_url has an option redis-py cannot use (ssl_* ones need rediss://; / @ : in "

@@ -22,6 +22,7 @@ from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
+from dedup._redis.mux import Mux
 from dedup._redis.packing import pack
 
 __all__ = [
@@ -219,6 +220,10 @@ async def run_together(
     return results, trips
 
 
+async def _noop(_: BaseException) -> None:
+    """A failed call needs no cleanup before its retry: the Mux reconnects itself."""
+
+
 def _pack_calls(calls: Sequence[ScriptCall], before: Sequence[Sequence[Any]] = ()) -> bytes | None:
     """``before``, then the ``EVALSHA`` of every call, as one RESP buffer, or None when an
     argument is not bytes, str or int (:func:`dedup._redis.packing.pack`)."""
@@ -241,14 +246,27 @@ async def exchange(
 ) -> list[Any]:
     """Send ``packed`` (RESP commands) on one connection of ``pool`` and read its
     ``count`` replies in order, an error reply as its exception: what redis-py's
-    pipeline does for a batch of scripts, at about 60 % of its CPU (no command stack, no
-    per-command options or callbacks). A connection error is retried as the client's
-    own commands are (the pool's ``Retry``), which sends everything again: only for
-    commands safe to run twice; ``retry=False`` raises it instead (a reply lost after
-    the server ran them leaves their outcome to the caller). Any other failure, a
-    cancellation included, closes the connection, so no unread reply is left on it for
-    its next user. (A pooled connection the server closed meanwhile, a restart say, is
-    replaced by the pool before the write, so it needs no retry.)"""
+    pipeline does for a batch of scripts, at a fraction of its CPU. A pool of
+    :func:`dedup._redis.connect.connect_redis` sends it on its shared connection (its
+    ``mux``, :mod:`dedup._redis.mux`); another pool on one of its connections, with no
+    command stack and no per-command options or callbacks.
+
+    A connection error is retried as the client's own commands are (the pool's
+    ``Retry``), which sends everything again: only for commands safe to run twice;
+    ``retry=False`` raises it instead (a reply lost after the server ran them leaves
+    their outcome to the caller). On a pooled connection any other failure, a
+    cancellation included, closes it, so no unread reply is left on it for its next
+    user; the shared connection reads and drops such replies. (A connection the server
+    closed meanwhile, a restart say, is replaced before the write, so it needs no retry.)
+    """
+    mux: Mux | None = getattr(pool, "mux", None)
+    if mux is not None:
+        if not retry:
+            return await mux.call(packed, count)
+        retry_policy = pool.connection_kwargs.get("retry")
+        if retry_policy is None:
+            return await mux.call(packed, count)
+        return list(await retry_policy.call_with_retry(lambda: mux.call(packed, count), _noop))
     conn = await pool.get_connection()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
     try:
 

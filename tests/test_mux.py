@@ -1,0 +1,224 @@
+"""The shared connection of dedup's Redis clients (dedup._redis.mux) on a real
+redis-server: replies in order under concurrency, cancelled and timed-out calls, a
+restart, a password and a database, subscriptions, and the pools it leaves alone."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError, NoScriptError, TimeoutError
+
+from dedup._redis.connect import MuxPool, connect_redis
+from dedup._redis.mux import Mux
+from dedup._redis.packing import pack
+from dedup._redis.script import exchange
+from dedup.testing.servers import RedisServer
+
+
+def packed(*commands: tuple[object, ...]) -> bytes:
+    out = b"".join(p for p in (pack(c) for c in commands) if p is not None)
+    assert out
+    return out
+
+
+@pytest.fixture
+async def client(fresh_redis: RedisServer) -> AsyncIterator[Redis]:
+    r = connect_redis(fresh_redis.url, max_connections=8, timeout_s=0.5)
+    assert isinstance(r, Redis)
+    try:
+        yield r
+    finally:
+        await r.aclose()
+
+
+def mux_of(client: Redis) -> Mux:
+    pool = client.connection_pool
+    assert isinstance(pool, MuxPool) and pool.mux is not None
+    return pool.mux
+
+
+async def test_concurrent_calls_get_their_own_replies_in_order(client: Redis) -> None:
+    """500 calls in flight at once, each of several commands: every caller gets exactly
+    the replies of its own commands, error replies as redis-py's exceptions, in place."""
+    pool = client.connection_pool
+
+    async def one(i: int) -> None:
+        replies = await exchange(
+            pool,
+            packed(
+                ("SET", f"k{i}", f"v{i}"),
+                ("GET", f"k{i}"),
+                ("EVALSHA", "0" * 40, 0),
+                ("INCRBY", "n", i),
+            ),
+            4,
+        )
+        assert replies[:2] == [b"OK", f"v{i}".encode()]
+        assert isinstance(replies[2], NoScriptError)
+        assert isinstance(replies[3], int)
+
+    await asyncio.gather(*(one(i) for i in range(500)))
+    assert int(await client.get("n") or 0) == sum(range(500))
+    # One connection served them all (and the pool's own connections none of them).
+    assert (await client.info("clients"))["connected_clients"] == 2  # the mux + this INFO
+
+
+async def test_a_cancelled_call_leaves_the_stream_in_step(
+    client: Redis, fresh_redis: RedisServer
+) -> None:
+    """A caller cancelled while its reply is on the way: its reply is read and dropped,
+    and the next caller gets its own."""
+    mux = mux_of(client)
+    await mux.call(packed(("PING",)), 1)  # connected
+    fresh_redis.pause()
+    try:
+        slow = asyncio.ensure_future(mux.call(packed(("SET", "a", "1"), ("GET", "a")), 2))
+        await asyncio.sleep(0.05)
+        slow.cancel()
+        after = asyncio.ensure_future(mux.call(packed(("SET", "b", "2"), ("GET", "b")), 2))
+        await asyncio.sleep(0.05)
+    finally:
+        fresh_redis.resume()
+    assert await after == [b"OK", b"2"]
+    assert slow.cancelled()
+    assert await client.get("a") == b"1"  # the cancelled call's commands ran
+
+
+async def test_a_timeout_fails_every_call_in_flight_then_reconnects(
+    client: Redis, fresh_redis: RedisServer
+) -> None:
+    """A stalled server: the oldest call times out after the socket timeout, and every
+    call behind it fails with it (TimeoutError, which the client's Retry does not send
+    again); once the server is back, the next call connects again and succeeds."""
+    mux = mux_of(client)
+    await mux.call(packed(("PING",)), 1)
+    fresh_redis.pause()
+    try:
+        calls = [asyncio.ensure_future(mux.call(packed(("PING",)), 1)) for _ in range(5)]
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*calls, return_exceptions=True), timeout=10
+        )
+    finally:
+        fresh_redis.resume()
+    assert all(isinstance(o, TimeoutError) for o in outcomes), outcomes
+    assert await asyncio.wait_for(exchange(client.connection_pool, packed(("PING",)), 1), 10) == [
+        b"PONG"
+    ]
+
+
+async def test_a_restarted_server_is_reached_again(client: Redis, fresh_redis: RedisServer) -> None:
+    """After a restart the closed connection is replaced before the next write: a call
+    that may not be sent twice (``retry=False``) succeeds too."""
+    pool = client.connection_pool
+    assert await exchange(pool, packed(("SET", "x", "1")), 1) == [b"OK"]
+    fresh_redis.restart()
+    await asyncio.sleep(0.2)  # the loop reads the old connection's end
+    assert await exchange(pool, packed(("PING",)), 1, retry=False) == [b"PONG"]
+
+
+async def test_a_killed_server_fails_calls_with_connection_error(
+    client: Redis, fresh_redis: RedisServer
+) -> None:
+    mux = mux_of(client)
+    await mux.call(packed(("PING",)), 1)
+    fresh_redis.pause()
+    call = asyncio.ensure_future(mux.call(packed(("PING",)), 1))
+    await asyncio.sleep(0.05)
+    fresh_redis.kill()
+    with pytest.raises((ConnectionError, TimeoutError)):
+        await asyncio.wait_for(call, 10)
+    with pytest.raises(ConnectionError):
+        await asyncio.wait_for(mux.call(packed(("PING",)), 1), 10)
+
+
+async def test_password_user_and_database(fresh_redis: RedisServer) -> None:
+    """AUTH (with a user, or the default user's password) and SELECT as the URL says,
+    before any caller's command; a wrong password is a ConnectionError naming no secret."""
+    secret = "s3cret-Pw"
+    admin = Redis(host=fresh_redis.host, port=fresh_redis.port)
+    await admin.execute_command("ACL", "SETUSER", "app", "on", f">{secret}", "~*", "+@all")  # type: ignore[no-untyped-call]
+
+    async def check(user: str, password: str) -> None:
+        url = f"redis://{user}:{password}@127.0.0.1:{fresh_redis.port}/3"
+        r = connect_redis(url, max_connections=4, timeout_s=2)
+        assert isinstance(r, Redis)
+        try:
+            await exchange(r.connection_pool, packed(("SET", "who", user or "-")), 1)
+            assert await r.get("who") == (user or "-").encode()  # the same database, 3
+        finally:
+            await r.aclose()
+
+    try:
+        await check("app", secret)
+        with pytest.raises(ConnectionError) as caught:
+            await check("app", "nope-wrong")
+        assert secret not in str(caught.value) and "nope-wrong" not in str(caught.value)
+        await admin.config_set("requirepass", secret)  # AUTH <password>, the default user
+        await admin.execute_command("AUTH", secret)  # type: ignore[no-untyped-call]
+        await check("", secret)
+    finally:
+        await admin.aclose()
+
+
+async def test_unix_socket(tmp_path_factory: pytest.TempPathFactory) -> None:
+    folder = tmp_path_factory.mktemp("sock")
+    path = os.path.join(folder, "r.sock")
+    if len(path) > 100:  # the kernel's limit on a socket's path
+        path = f"/tmp/dedup-mux-{os.getpid()}.sock"
+    with RedisServer(extra_args=["--unixsocket", path, "--unixsocketperm", "700"]):
+        r = connect_redis(f"unix://{path}", max_connections=4, timeout_s=2)
+        assert isinstance(r, Redis)
+        try:
+            assert mux_of(r) is not None
+            assert await exchange(r.connection_pool, packed(("PING",)), 1) == [b"PONG"]
+        finally:
+            await r.aclose()
+
+
+async def test_subscription(client: Redis, fresh_redis: RedisServer) -> None:
+    """Live when subscribe() returns; every message handed over in order; ``lost`` once
+    the server goes."""
+    heard: list[tuple[bytes, bytes]] = []
+    subscription = await mux_of(client).subscribe(
+        ["a", "b"], lambda channel, data: heard.append((channel, data))
+    )
+    try:
+        for i in range(100):
+            await client.publish("a" if i % 2 else "b", str(i))
+        async with asyncio.timeout(10):
+            while len(heard) < 100:
+                await asyncio.sleep(0.01)
+        assert heard == [(b"a" if i % 2 else b"b", str(i).encode()) for i in range(100)]
+        assert not subscription.lost.done()
+        fresh_redis.kill()
+        await asyncio.wait_for(asyncio.shield(subscription.lost), 10)
+    finally:
+        subscription.close()
+
+
+async def test_closing_the_client_closes_the_shared_connection(
+    fresh_redis: RedisServer,
+) -> None:
+    r = connect_redis(fresh_redis.url, max_connections=4, timeout_s=2)
+    assert isinstance(r, Redis)
+    await exchange(r.connection_pool, packed(("CLIENT", "SETNAME", "muxed")), 1)
+    await r.aclose()
+    probe = Redis(host=fresh_redis.host, port=fresh_redis.port)
+    try:
+        async with asyncio.timeout(10):
+            while b"name=muxed" in await probe.execute_command("CLIENT", "LIST"):  # type: ignore[no-untyped-call]
+                await asyncio.sleep(0.02)
+    finally:
+        await probe.aclose()
+
+
+def test_pools_it_cannot_serve_keep_redis_pys_connections() -> None:
+    """TLS, a credential provider and RESP3 stay on redis-py's own connections."""
+    for url in ("rediss://127.0.0.1:6390/0", "redis://127.0.0.1:6390/0?protocol=3"):
+        r = connect_redis(url, max_connections=4, timeout_s=1)
+        assert isinstance(r, Redis)
+        assert isinstance(r.connection_pool, MuxPool) and r.connection_pool.mux is None
