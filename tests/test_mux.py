@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError, NoScriptError, TimeoutError
+from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
 
 from dedup._redis.connect import MuxPool, connect_redis
 from dedup._redis.mux import Mux
@@ -222,3 +222,116 @@ def test_pools_it_cannot_serve_keep_redis_pys_connections() -> None:
         r = connect_redis(url, max_connections=4, timeout_s=1)
         assert isinstance(r, Redis)
         assert isinstance(r.connection_pool, MuxPool) and r.connection_pool.mux is None
+
+
+# ------------------------------------------------------- found in review, each a fix
+
+
+async def test_a_connection_the_server_closes_at_once_fails_fast(
+    fresh_redis: RedisServer,
+) -> None:
+    """A server at ``maxclients`` accepts, says why and closes: the call fails at once
+    with a ConnectionError carrying the server's words, not after the socket timeout."""
+    admin = Redis(host=fresh_redis.host, port=fresh_redis.port)
+    await admin.config_set("maxclients", 1)  # this admin connection is the one
+    r = connect_redis(fresh_redis.url, max_connections=4, timeout_s=5)
+    assert isinstance(r, Redis)
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(ConnectionError, match="max number of clients"):
+            await exchange(r.connection_pool, packed(("PING",)), 1)
+        assert asyncio.get_running_loop().time() - started < 4
+    finally:
+        await r.aclose()
+        await admin.config_set("maxclients", 10000)
+        await admin.aclose()
+
+
+async def clients_named(server: RedisServer, name: str) -> int:
+    probe = Redis(host=server.host, port=server.port)
+    try:
+        listing = await probe.execute_command("CLIENT", "LIST")  # type: ignore[no-untyped-call]
+        return sum(f"name={name} ".encode() in line for line in listing.splitlines())
+    finally:
+        await probe.aclose()
+
+
+async def test_a_handshake_cut_short_leaves_no_connection(fresh_redis: RedisServer) -> None:
+    """A connect whose SELECT / SETNAME times out (a stopped server) closes its socket:
+    once the server is back, no connection of it is left there."""
+    url = fresh_redis.url + "/1?client_name=cutshort"
+    r = connect_redis(url, max_connections=4, timeout_s=0.3)
+    assert isinstance(r, Redis)
+    fresh_redis.pause()
+    try:
+        for _ in range(3):
+            with pytest.raises(TimeoutError):
+                await exchange(r.connection_pool, packed(("PING",)), 1)
+    finally:
+        fresh_redis.resume()
+        await r.aclose()
+    await asyncio.sleep(0.3)  # the server reads the resets of the pending connections
+    assert await clients_named(fresh_redis, "cutshort") == 0
+
+
+async def test_closing_while_connecting_leaves_no_connection(fresh_redis: RedisServer) -> None:
+    """aclose() while a first call is still connecting: that call fails, and no
+    connection is made for a client already closed."""
+    url = fresh_redis.url + "/1?client_name=latecomer"
+    r = connect_redis(url, max_connections=4, timeout_s=5)
+    assert isinstance(r, Redis)
+    fresh_redis.pause()
+    try:
+        call = asyncio.ensure_future(exchange(r.connection_pool, packed(("PING",)), 1))
+        await asyncio.sleep(0.1)  # connected; its SELECT waits for the stopped server
+        await asyncio.wait_for(r.aclose(), 10)
+    finally:
+        fresh_redis.resume()
+    with pytest.raises(ConnectionError):
+        await asyncio.wait_for(call, 10)
+    await asyncio.sleep(0.3)
+    assert await clients_named(fresh_redis, "latecomer") == 0
+    assert mux_of(r)._protocol is None
+
+
+async def test_closing_with_unsent_bytes_to_a_stopped_server_returns(
+    fresh_redis: RedisServer,
+) -> None:
+    """A stopped server and a socket full of unsent bytes: aclose() returns at once
+    (the connection is aborted, not flushed) and the call fails."""
+    r = connect_redis(fresh_redis.url, max_connections=4, timeout_s=30)
+    assert isinstance(r, Redis)
+    await exchange(r.connection_pool, packed(("PING",)), 1)
+    fresh_redis.pause()
+    try:
+        big = asyncio.ensure_future(
+            exchange(r.connection_pool, packed(("SET", "big", "x" * (64 << 20))), 1)
+        )
+        await asyncio.sleep(0.2)
+        await asyncio.wait_for(r.aclose(), 10)
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(big, 10)
+    finally:
+        fresh_redis.resume()
+
+
+async def test_a_subscribe_an_acl_refuses_is_the_servers_error(fresh_redis: RedisServer) -> None:
+    """NOPERM on SUBSCRIBE is Redis saying no (a ResponseError), not Redis being down
+    (a ConnectionError counts against the circuit)."""
+    admin = Redis(host=fresh_redis.host, port=fresh_redis.port)
+    try:
+        await admin.execute_command(  # type: ignore[no-untyped-call]
+            "ACL", "SETUSER", "nochan", "on", ">pw", "~*", "+@all", "resetchannels"
+        )
+    finally:
+        await admin.aclose()
+    r = connect_redis(
+        fresh_redis.url.replace("redis://", "redis://nochan:pw@"), max_connections=4, timeout_s=2
+    )
+    assert isinstance(r, Redis)
+    try:
+        with pytest.raises(ResponseError) as caught:
+            await mux_of(r).subscribe(["a"], lambda channel, data: None)
+        assert not isinstance(caught.value, ConnectionError)
+    finally:
+        await r.aclose()

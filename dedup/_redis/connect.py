@@ -24,8 +24,17 @@ from dedup._redis.packing import fast_packing
 from dedup.errors import ConfigError
 from dedup.urls import CLUSTER_SCHEMES, REDIS_SCHEMES, scrub
 
-__all__ = ["connect_redis", "info_of_every_node", "per_node", "probe_write", "unlink_matching"]
+__all__ = [
+    "CONNECTION_RETRIES",
+    "MuxPool",
+    "connect_redis",
+    "info_of_every_node",
+    "per_node",
+    "probe_write",
+    "unlink_matching",
+]
 _PROBE_PX = 10_000
+CONNECTION_RETRIES = 2  # resends of a command safe to repeat whose connection failed
 
 
 class MuxPool(BlockingConnectionPool):
@@ -35,6 +44,7 @@ class MuxPool(BlockingConnectionPool):
     on. Disconnecting the pool (``aclose`` of its client) closes that one too."""
 
     mux: Mux | None = None
+    retries = CONNECTION_RETRIES  # resends of a call on ``mux`` whose connection failed
 
     async def disconnect(self, inuse_connections: bool = True) -> None:
         if self.mux is not None:
@@ -81,7 +91,9 @@ def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis 
         # retry such errors twice on a fresh connection (every script here is safe to
         # repeat), but not timeouts, which would multiply the wait on a slow server.
         retry = Retry(
-            ExponentialBackoff(cap=0.05, base=0.005), 2, supported_errors=(ConnectionError,)
+            ExponentialBackoff(cap=0.05, base=0.005),
+            CONNECTION_RETRIES,
+            supported_errors=(ConnectionError,),
         )
         pool = MuxPool.from_url(
             url, max_connections=max_connections, timeout=timeout_s, retry=retry, **common

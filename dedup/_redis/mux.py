@@ -23,6 +23,7 @@ redis-py's pooled connections (:meth:`Mux.for_pool` returns None).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import socket
 from collections import deque
@@ -51,6 +52,11 @@ except ImportError:  # pragma: no cover - a redis-py laid out otherwise
     from redis.exceptions import ResponseError as _parse_error
 
 
+# Between resends of a call whose connection failed (as the pools' Retry in connect.py).
+_BACKOFF_BASE_S = 0.005
+_BACKOFF_CAP_S = 0.05
+
+
 class _Call:
     """One caller's commands in flight: how many replies it waits for, those read."""
 
@@ -75,6 +81,8 @@ class _Protocol(asyncio.Protocol):
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # Subscribed: every reply is a push, handed to this (no call waits for it).
         self.on_push: Callable[[Any], None] | None = None
+        # Why the connection is unusable, once it is (see Mux._broken).
+        self.dead: RedisError | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
@@ -93,8 +101,9 @@ class _Protocol(asyncio.Protocol):
             if self.on_push is not None:
                 self.on_push(reply)
                 continue
-            if not calls:
-                self._mux._broken(self, ConnectionError("Redis sent a reply nobody asked for"))
+            if not calls:  # "max number of clients reached", say, sent before closing
+                what = str(reply) if isinstance(reply, Exception) else "a reply nobody asked for"
+                self._mux._broken(self, ConnectionError(f"Redis sent {what}"))
                 return
             call = calls[0]
             call.replies.append(reply)
@@ -120,6 +129,7 @@ class Mux:
         self._timeout: float | None = kwargs.get("socket_timeout")
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
+        self._generation = 0  # disconnects so far
         self._pid = os.getpid()
 
     @classmethod
@@ -136,14 +146,34 @@ class Mux:
             return None
         return cls(dict(kwargs), issubclass(kind, UnixDomainSocketConnection))
 
-    async def call(self, packed: bytes, count: int) -> list[Any]:
+    async def call(self, packed: bytes, count: int, *, retries: int = 0) -> list[Any]:
         """Send ``packed`` (``count`` RESP commands) and return their replies in order, an
-        error reply as its exception object (redis-py's classes)."""
+        error reply as its exception object (redis-py's classes).
+
+        A ``ConnectionError`` sends them again on a new connection, up to ``retries``
+        times (only for commands safe to run twice), but never once the client was
+        disconnected meanwhile: a closed client does not connect again for a call it
+        had before it closed."""
+        generation = self._generation
+        for attempt in itertools.count():
+            try:
+                return await self._call_once(packed, count)
+            except ConnectionError:
+                if attempt >= retries or generation != self._generation:
+                    raise
+            await asyncio.sleep(min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**attempt))
+        raise AssertionError("unreachable")
+
+    async def _call_once(self, packed: bytes, count: int) -> list[Any]:
         if self._pid != os.getpid():  # a forked child: the connection is its parent's
             self._pid, self._protocol, self._connecting = os.getpid(), None, None
+        if count < 1:
+            raise ValueError("a call sends one command at least")
         protocol = self._protocol
-        if protocol is None or protocol.transport is None or protocol.transport.is_closing():
+        if protocol is None or protocol.dead is not None:
             protocol = await self._connect()
+            if protocol.dead is not None:  # closed by the server right after the connect
+                raise protocol.dead
         loop = asyncio.get_running_loop()
         call = _Call(loop.create_future(), count)
         protocol.calls.append(call)
@@ -176,9 +206,13 @@ class Mux:
     async def disconnect(self) -> None:
         """Close the connection (its pool's ``disconnect``); calls in flight fail with
         ``ConnectionError``, and the next call connects again."""
+        self._generation += 1  # a connect under way is dropped when it completes
         protocol, self._protocol = self._protocol, None
+        if self._pid != os.getpid():  # a forked child: the connection is its parent's
+            return
         if protocol is not None and protocol.transport is not None:
-            protocol.transport.close()
+            # abort, not close: a close waits for unsent bytes, for ever on a stopped server
+            protocol.transport.abort()
             await asyncio.shield(protocol.closed)
 
     # ------------------------------------------------------------------- internals
@@ -187,14 +221,16 @@ class Mux:
         if not call.future.done():
             call.future.set_exception(RedisTimeoutError(f"Timeout reading from {self._where()}"))
         # The calls behind it wait on the same stalled server: they time out with it
-        # (not a ConnectionError, which the client's Retry would send again, each
-        # waiting a whole timeout more).
+        # (not a ConnectionError, which would send them again, each to wait a whole
+        # timeout more).
         self._broken(protocol, RedisTimeoutError(f"Timeout reading from {self._where()}"))
 
     def _broken(self, protocol: _Protocol, exc: RedisError) -> None:
         """``protocol``'s connection is unusable: fail what waits on it and drop it."""
         if self._protocol is protocol:
             self._protocol = None
+        if protocol.dead is None:
+            protocol.dead = exc
         calls = protocol.calls
         while calls:
             call = calls.popleft()
@@ -202,8 +238,8 @@ class Mux:
                 call.timer.cancel()
             if not call.future.done():
                 call.future.set_exception(exc)
-        if protocol.transport is not None and not protocol.transport.is_closing():
-            protocol.transport.abort()
+        if protocol.transport is not None:
+            protocol.transport.abort()  # even a closing one: its unsent bytes never matter
 
     async def _connect(self) -> _Protocol:
         """The live connection, made (once, however many callers ask) when there is none."""
@@ -233,7 +269,11 @@ class Mux:
                     sock = protocol.transport.get_extra_info("socket")
                     if sock is not None:
                         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                await self._handshake(protocol)
+                try:
+                    await self._handshake(protocol)
+                except BaseException:  # timed out, refused or cancelled: never leave it open
+                    protocol.transport.abort()
+                    raise
         except TimeoutError:  # asyncio's, the connect's bound
             raise RedisTimeoutError(f"Timeout connecting to {self._where()}") from None
         except OSError as exc:
@@ -241,7 +281,11 @@ class Mux:
         return protocol
 
     async def _open_shared(self) -> _Protocol:
+        generation = self._generation
         protocol = await self._open()
+        if generation != self._generation:  # disconnected meanwhile: the client is closing
+            protocol.transport.abort()
+            raise ConnectionError("the Redis client was disconnected while connecting")
         self._protocol = protocol
         return protocol
 
@@ -266,7 +310,6 @@ class Mux:
         protocol.transport.write(packed)
         for reply in await call.future:
             if isinstance(reply, Exception):
-                protocol.transport.abort()
                 # A wrong password, say: the server's words name no secret.
                 raise ConnectionError(f"Redis refused the connection's setup: {reply}")
 
@@ -294,10 +337,10 @@ class Subscription:
         protocol.closed.add_done_callback(self._closed)
 
     def close(self) -> None:
-        """Close the connection (at once: no reply is awaited)."""
+        """Close the connection (at once: nothing is awaited or flushed)."""
         transport = self._protocol.transport
-        if transport is not None and not transport.is_closing():
-            transport.close()
+        if transport is not None:
+            transport.abort()
 
     def _push(self, reply: Any) -> None:
         if type(reply) is list and len(reply) == 3:
@@ -310,9 +353,11 @@ class Subscription:
                 if self._waiting <= 0 and not self._confirmed.done():
                     self._confirmed.set_result(None)
                 return
-        if isinstance(reply, Exception):  # SUBSCRIBE refused (an ACL, say)
+        if isinstance(reply, Exception):  # SUBSCRIBE refused: NOPERM from an ACL, say
             if not self._confirmed.done():
-                self._confirmed.set_exception(ConnectionError(f"Redis refused SUBSCRIBE: {reply}"))
+                # The server's own error (a ResponseError: Redis is up, it says no),
+                # not a ConnectionError, which would count against the circuit.
+                self._confirmed.set_exception(reply)
             self.close()
 
     def _closed(self, _: asyncio.Future[None]) -> None:

@@ -220,10 +220,6 @@ async def run_together(
     return results, trips
 
 
-async def _noop(_: BaseException) -> None:
-    """A failed call needs no cleanup before its retry: the Mux reconnects itself."""
-
-
 def _pack_calls(calls: Sequence[ScriptCall], before: Sequence[Sequence[Any]] = ()) -> bytes | None:
     """``before``, then the ``EVALSHA`` of every call, as one RESP buffer, or None when an
     argument is not bytes, str or int (:func:`dedup._redis.packing.pack`)."""
@@ -251,8 +247,9 @@ async def exchange(
     ``mux``, :mod:`dedup._redis.mux`); another pool on one of its connections, with no
     command stack and no per-command options or callbacks.
 
-    A connection error is retried as the client's own commands are (the pool's
-    ``Retry``), which sends everything again: only for commands safe to run twice;
+    A connection error sends everything again, as the client's own commands are
+    (``CONNECTION_RETRIES`` times; on another pool, as its ``Retry`` says): only for
+    commands safe to run twice;
     ``retry=False`` raises it instead (a reply lost after the server ran them leaves
     their outcome to the caller). On a pooled connection any other failure, a
     cancellation included, closes it, so no unread reply is left on it for its next
@@ -261,12 +258,7 @@ async def exchange(
     """
     mux: Mux | None = getattr(pool, "mux", None)
     if mux is not None:
-        if not retry:
-            return await mux.call(packed, count)
-        retry_policy = pool.connection_kwargs.get("retry")
-        if retry_policy is None:
-            return await mux.call(packed, count)
-        return list(await retry_policy.call_with_retry(lambda: mux.call(packed, count), _noop))
+        return await mux.call(packed, count, retries=getattr(pool, "retries", 0) if retry else 0)
     conn = await pool.get_connection()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
     try:
 
