@@ -15,9 +15,10 @@ server or network, and every call behind it would wait as long): every call in f
 then fails with redis-py's ``TimeoutError``, as on a redis-py connection of its own, and
 the next call connects again. A lost connection fails them with ``ConnectionError``.
 
-It serves plain TCP and Unix-socket servers, with a password, a user and a database; a
-pool it cannot serve as redis-py would (TLS, a credential provider, RESP3) keeps
-redis-py's pooled connections (:meth:`Mux.for_pool` returns None).
+It serves TCP (plain or TLS, with redis-py's own TLS context from the URL) and
+Unix-socket servers, with a password, a user and a database; a pool it cannot serve as
+redis-py would (a credential provider, RESP3) keeps redis-py's pooled connections
+(:meth:`Mux.for_pool` returns None).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import asyncio
 import itertools
 import os
 import socket
+import ssl
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -123,9 +125,12 @@ class _Protocol(asyncio.Protocol):
 class Mux:
     """The shared connection of one client (see the module's docstring)."""
 
-    def __init__(self, kwargs: dict[str, Any], unix: bool) -> None:
+    def __init__(
+        self, kwargs: dict[str, Any], unix: bool, tls: ssl.SSLContext | None = None
+    ) -> None:
         self._kwargs = kwargs
         self._unix = unix
+        self._tls = tls
         self._timeout: float | None = kwargs.get("socket_timeout")
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
@@ -135,16 +140,23 @@ class Mux:
     @classmethod
     def for_pool(cls, pool: ConnectionPool) -> Mux | None:
         """A Mux for ``pool``'s server, or None when it needs what only redis-py's
-        connections do (TLS, a credential provider, RESP3, a custom connection class)."""
+        connections do (a credential provider, RESP3, a custom connection class)."""
         kind = pool.connection_class
         kwargs = pool.connection_kwargs
-        if issubclass(kind, SSLConnection) or not issubclass(
-            kind, (Connection, UnixDomainSocketConnection)
-        ):
+        if not issubclass(kind, (Connection, UnixDomainSocketConnection)):
             return None
         if kwargs.get("credential_provider") is not None or kwargs.get("protocol") in (3, "3"):
             return None
-        return cls(dict(kwargs), issubclass(kind, UnixDomainSocketConnection))
+        tls = None
+        if issubclass(kind, SSLConnection):
+            # The TLS context redis-py would use (CA, client certificate, checks, from
+            # the URL's ssl_* options), built once: no I/O until the connect.
+            context = getattr(kind(**kwargs), "ssl_context", None)
+            made = context.get() if context is not None else None
+            if not isinstance(made, ssl.SSLContext):  # a redis-py laid out otherwise
+                return None
+            tls = made
+        return cls(dict(kwargs), issubclass(kind, UnixDomainSocketConnection), tls)
 
     async def call(self, packed: bytes, count: int, *, retries: int = 0) -> list[Any]:
         """Send ``packed`` (``count`` RESP commands) and return their replies in order, an
@@ -265,6 +277,7 @@ class Mux:
                         lambda: _Protocol(self),
                         kwargs.get("host", "localhost"),
                         int(kwargs.get("port", 6379)),
+                        ssl=self._tls,
                     )
                     sock = protocol.transport.get_extra_info("socket")
                     if sock is not None:
