@@ -247,14 +247,13 @@ async def exchange(
     ``mux``, :mod:`dedup._redis.mux`); another pool on one of its connections, with no
     command stack and no per-command options or callbacks.
 
-    A connection error sends everything again, as the client's own commands are
-    (``CONNECTION_RETRIES`` times; on another pool, as its ``Retry`` says): only for
-    commands safe to run twice;
-    ``retry=False`` raises it instead (a reply lost after the server ran them leaves
-    their outcome to the caller). On a pooled connection any other failure, a
-    cancellation included, closes it, so no unread reply is left on it for its next
-    user; the shared connection reads and drops such replies. (A connection the server
-    closed meanwhile, a restart say, is replaced before the write, so it needs no retry.)
+    A connection error sends everything again (``CONNECTION_RETRIES`` times; on another
+    pool, as its ``Retry`` says): only for commands safe to run twice; ``retry=False``
+    raises it instead (a reply lost after the server ran them leaves their outcome to
+    the caller). On a pooled connection any other failure, a cancellation included,
+    closes it, so no unread reply is left on it for its next user; the shared connection
+    reads and drops such replies. (A connection the server closed meanwhile, a restart
+    say, is replaced before the write, so it needs no retry.)
     """
     mux: Mux | None = getattr(pool, "mux", None)
     if mux is not None:
