@@ -483,6 +483,53 @@ async def test_too_large_chunked_body_is_413(http: aiohttp.ClientSession) -> Non
         assert_error(r.status, orjson.loads(await r.read()), "body_too_large")
 
 
+async def raw_exchange(url: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send ``request`` as is on a new connection; the status, headers and body read
+    until the server closes it."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), 30)
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines)
+    return int(status_line.split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+async def test_requests_the_http_parser_refuses_get_json_errors(
+    served: Served, http: aiohttp.ClientSession
+) -> None:
+    """Requests aiohttp's parser refuses before any handler (a bad request line, a
+    header line too long, a bad chunk size): a 400 with the service's JSON error body,
+    which quotes none of the request (aiohttp's own answer did, and logged it with a
+    traceback: an over-long Authorization header put the token in the log; the last
+    test of this module checks the log)."""
+    log_start = len(served.svc.log_text())
+    too_long = f"Authorization: Bearer {TOKEN}{'a' * 9000}"
+    for request, quoted in [
+        (b"GARBAGE-LINE\r\n\r\n", b"GARBAGE"),
+        (f"POST /v1/save HTTP/1.1\r\nHost: x\r\n{too_long}\r\n\r\n".encode(), TOKEN.encode()),
+        (
+            b"POST /v1/save HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {TOKEN}\r\n".encode()
+            + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+            b"zz",
+        ),
+    ]:
+        status, headers, body = await raw_exchange(served.svc.url, request)
+        assert status == 400, (request[:40], status, body)
+        assert headers["content-type"].startswith("application/json"), headers
+        assert_error(status, orjson.loads(body), "malformed_http")
+        assert quoted not in body
+    assert "Traceback" not in served.svc.log_text()[log_start:]
+    async with http.get("/healthz") as r:  # the service is fine
+        assert r.status == 200
+
+
 async def test_compressed_bodies_are_415_without_a_traceback(
     served: Served, http: aiohttp.ClientSession
 ) -> None:

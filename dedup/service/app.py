@@ -505,6 +505,54 @@ def create_app(gateway: Gateway, settings: ServiceSettings) -> web.Application:
 # ---------------------------------------------------------------------------- serving
 
 
+class _RequestHandler(web.RequestHandler):
+    """aiohttp's connection handler, answering the requests its HTTP parser refuses (a
+    bad request line or header, a line too long, a bad chunk size: no handler or
+    middleware of the app sees them) like every other error of the service: a JSON
+    body, ``malformed_http``. aiohttp's own answer was a plain-text 400 quoting the
+    request's bytes, and an ERROR log line with a traceback quoting them again (an
+    over-long ``Authorization`` header put the token in the log)."""
+
+    __slots__ = ()  # a subclass of a slotted class, so that a handler can become one
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if not 400 <= status < 500 or request.writer.output_size > 0:
+            return super().handle_error(request, status, exc, message)
+        # The exception's class only: its text quotes the request.
+        what = type(exc).__name__ if exc is not None else "a malformed request"
+        log.debug("refused a request aiohttp could not parse (%s, %d)", what, status)
+        code = "malformed_http" if status == 400 else CODE_FOR_STATUS.get(status, "http_error")
+        response = _ApiError(status, code, f"the request is not valid HTTP/1.1 ({what})").response()
+        response.force_close()
+        return response
+
+
+class _Server(web.Server):
+    """aiohttp's protocol factory, making :class:`_RequestHandler` connection handlers."""
+
+    def __call__(self) -> web.RequestHandler:
+        handler = super().__call__()
+        if type(handler) is web.RequestHandler:  # else an aiohttp laid out otherwise
+            handler.__class__ = _RequestHandler  # same slots: only handle_error differs
+        return handler
+
+
+def _answer_parser_errors_in_json(runner: web.AppRunner) -> None:
+    """Make ``runner``'s server answer unparsable requests with :class:`_RequestHandler`
+    (aiohttp builds its server and handlers itself, with no option for their classes)."""
+    server = runner.server
+    if type(server) is web.Server:
+        server.__class__ = _Server
+    else:  # an aiohttp laid out otherwise: keep its plain-text answers
+        log.warning("aiohttp's server is not the expected class: its parser errors stay plain text")
+
+
 async def serve(
     gateway: Gateway,
     settings: ServiceSettings,
@@ -543,6 +591,7 @@ async def serve(
     )
     try:
         await runner.setup()  # opens the Gateway: fails here if Redis or the database cannot
+        _answer_parser_errors_in_json(runner)
         try:
             site = web.TCPSite(
                 runner,

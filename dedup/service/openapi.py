@@ -49,6 +49,11 @@ SOURCES: tuple[str, ...] = get_args(Source)
 
 ERRORS: dict[str, tuple[int | None, str]] = {
     "malformed_json": (400, "the body is not valid JSON (or not UTF-8)."),
+    "malformed_http": (
+        400,
+        "the request is not valid HTTP/1.1 (a bad request line or header, a line over "
+        "8,190 bytes, a bad chunk size); the connection is closed.",
+    ),
     "unauthorized": (
         401,
         "a token is configured and the bearer token is missing or wrong.",
