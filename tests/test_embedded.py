@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import sqlite3
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,20 @@ async def test_embedded_default_starts_and_stops_its_servers(tmp_path: Path) -> 
     async with Gateway(data_dir=data_dir) as again:
         r = await again.save("email", "a")
         assert (r.created, r.source) == (False, "db")
+
+
+async def test_a_data_dir_it_creates_is_the_owners_alone(tmp_path: Path) -> None:
+    """The SQLite file holds the values: a data_dir the Gateway creates has mode 0700
+    (an existing one keeps the mode its owner gave it)."""
+    async with Gateway(data_dir=tmp_path / "new" / "data") as gw:
+        assert (await gw.save("email", "private@example.com")).created
+    assert stat.S_IMODE((tmp_path / "new" / "data").stat().st_mode) == 0o700
+    existing = tmp_path / "existing"
+    existing.mkdir(mode=0o750)
+    existing.chmod(0o750)
+    async with Gateway(data_dir=existing) as gw:
+        assert (await gw.save("email", "shared@example.com")).created
+    assert stat.S_IMODE(existing.stat().st_mode) == 0o750
 
 
 async def test_relative_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -90,6 +90,9 @@ def hash_entries_option(exe: str) -> str:
     return "--hash-max-ziplist-entries"
 
 
+_DATA_DIR_MODE = 0o700  # a data_dir this module creates; an existing one keeps its mode
+
+
 class DataDirLock:
     """An exclusive ``flock`` on ``data_dir/lock``, held while a Gateway uses the folder."""
 
@@ -99,7 +102,8 @@ class DataDirLock:
 
     def acquire(self) -> None:
         """Take the lock or raise :class:`ConfigError` naming the holder's PID."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # A folder made here is the owner's alone: the SQLite file in it holds the values.
+        self.path.parent.mkdir(mode=_DATA_DIR_MODE, parents=True, exist_ok=True)
         f = self.path.open("a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -146,7 +150,7 @@ class EmbeddedRedis:
     async def start(self) -> str:
         """Start redis-server and wait until it answers PING; returns its URL."""
         exe = find_redis_server()
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(mode=_DATA_DIR_MODE, parents=True, exist_ok=True)
         if len(str(self.socket_path)) > _SOCKET_PATH_MAX:
             # Unix socket paths are limited to 107 bytes: fall back to a private /tmp folder.
             self._socket_dir = tempfile.mkdtemp(prefix="dedup-")
