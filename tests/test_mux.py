@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator
-from pathlib import Path
-from urllib.parse import urlencode
 
 import pytest
 from redis.asyncio import Redis
@@ -19,7 +17,6 @@ from dedup._redis.mux import Mux
 from dedup._redis.packing import pack
 from dedup._redis.script import exchange
 from dedup.testing.servers import RedisServer
-from tests.tls import TlsRedisServer, make_certs
 
 
 def packed(*commands: tuple[object, ...]) -> bytes:
@@ -224,41 +221,6 @@ def test_pools_it_cannot_serve_keep_redis_pys_connections() -> None:
     r = connect_redis("redis://127.0.0.1:6390/0?protocol=3", max_connections=4, timeout_s=1)
     assert isinstance(r, Redis)
     assert isinstance(r.connection_pool, MuxPool) and r.connection_pool.mux is None
-
-
-async def test_tls(tmp_path: Path) -> None:
-    """rediss:// with the URL's CA and client certificate: calls and a subscription go
-    over TLS on the shared connection; a client that does not trust the server's
-    certificate cannot connect."""
-    certs = make_certs(tmp_path / "certs")
-    with TlsRedisServer(certs) as server:
-        r = connect_redis(server.url, max_connections=4, timeout_s=2)
-        assert isinstance(r, Redis)
-        try:
-            heard: list[bytes] = []
-            subscription = await mux_of(r).subscribe(["t"], lambda _, data: heard.append(data))
-            try:
-                assert await exchange(r.connection_pool, packed(("SET", "k", "tls")), 1) == [b"OK"]
-                await exchange(r.connection_pool, packed(("PUBLISH", "t", "hello")), 1)
-                async with asyncio.timeout(10):
-                    while not heard:
-                        await asyncio.sleep(0.01)
-                assert heard == [b"hello"]
-            finally:
-                subscription.close()
-            assert await r.get("k") == b"tls"  # redis-py's own TLS connection reads it
-        finally:
-            await r.aclose()
-        no_ca = urlencode({"ssl_certfile": certs.client_cert, "ssl_keyfile": certs.client_key})
-        untrusted = connect_redis(
-            f"rediss://{server.host}:{server.port}/0?{no_ca}", max_connections=4, timeout_s=2
-        )
-        assert isinstance(untrusted, Redis)
-        try:
-            with pytest.raises(ConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
-                await exchange(untrusted.connection_pool, packed(("PING",)), 1, retry=False)
-        finally:
-            await untrusted.aclose()
 
 
 # ------------------------------------------------------- found in review, each a fix

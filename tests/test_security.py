@@ -18,7 +18,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import aiohttp
 import asyncpg
@@ -26,15 +26,19 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 from aiohttp.test_utils import make_mocked_request
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from dedup import ConfigError, Gateway, InvalidInput, Unavailable
 from dedup._claims.keys import KeySpace, MarkerLayout
 from dedup._claims.protocol import Claims
 from dedup._engine.shared_wire import sink_id
+from dedup._redis.connect import connect_redis
+from dedup._redis.script import exchange
 from dedup._values import digest
 from dedup.metrics import Stats
 from dedup.service.app import _authorized
 from tests.servers import RedisServer, free_port
+from tests.test_mux import mux_of, packed
 from tests.test_service import (
     ROOT,
     ServiceProcess,
@@ -314,6 +318,41 @@ async def test_redis_acl_user(fresh_redis: RedisServer, pg_url: str) -> None:
             await gw.save("acl", "c")
     for text in (message,):
         assert PASSWORD not in text and PASSWORD_IN_URL not in text
+
+
+async def test_rediss_shared_connection(tmp_path: Path) -> None:
+    """rediss:// with the URL's CA and client certificate: calls and a subscription go
+    over TLS on the shared connection; a client that does not trust the server's
+    certificate cannot connect."""
+    certs = make_certs(tmp_path / "certs")
+    with TlsRedisServer(certs) as server:
+        r = connect_redis(server.url, max_connections=4, timeout_s=2)
+        assert isinstance(r, aioredis.Redis)
+        try:
+            heard: list[bytes] = []
+            subscription = await mux_of(r).subscribe(["t"], lambda _, data: heard.append(data))
+            try:
+                assert await exchange(r.connection_pool, packed(("SET", "k", "tls")), 1) == [b"OK"]
+                await exchange(r.connection_pool, packed(("PUBLISH", "t", "hello")), 1)
+                async with asyncio.timeout(10):
+                    while not heard:
+                        await asyncio.sleep(0.01)
+                assert heard == [b"hello"]
+            finally:
+                subscription.close()
+            assert await r.get("k") == b"tls"  # redis-py's own TLS connection reads it
+        finally:
+            await r.aclose()
+        no_ca = urlencode({"ssl_certfile": certs.client_cert, "ssl_keyfile": certs.client_key})
+        untrusted = connect_redis(
+            f"rediss://{server.host}:{server.port}/0?{no_ca}", max_connections=4, timeout_s=2
+        )
+        assert isinstance(untrusted, aioredis.Redis)
+        try:
+            with pytest.raises(RedisConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+                await exchange(untrusted.connection_pool, packed(("PING",)), 1, retry=False)
+        finally:
+            await untrusted.aclose()
 
 
 # ----------------------------------------------------------------------------- secrets
