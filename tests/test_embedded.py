@@ -19,6 +19,7 @@ from dedup._redis.embedded import (
     EmbeddedRedis,
     find_redis_server,
     hash_entries_option,
+    is_running,
     server_version,
 )
 from dedup._redis.server import script_variant
@@ -220,25 +221,15 @@ async def test_a_server_left_by_a_killed_gateway_is_stopped_by_the_next(tmp_path
         if child.stdout is not None:
             child.stdout.close()
     try:
-        assert _running(left)  # the killed Gateway's server lives on
+        assert is_running(left)  # the killed Gateway's server lives on
         async with Gateway(data_dir=tmp_path) as gw:
-            assert not _running(left)
+            assert not is_running(left)
             assert int((tmp_path / "redis.pid").read_text()) != left
             assert (await gw.save("k", "after-a-kill")).created
         assert not (tmp_path / "redis.pid").exists()
     finally:
-        if _running(left):
+        if is_running(left):
             os.kill(left, signal.SIGKILL)
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs: a process that exited and that nobody reaped (an orphan of
-    a killed parent, on a system whose init is slow to reap) counts as gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 async def test_a_cancelled_close_still_stops_the_server_and_stays_cancelled(
@@ -257,7 +248,7 @@ async def test_a_cancelled_close_still_stops_the_server_and_stays_cancelled(
         closing.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(closing, 30)
-        assert not _running(pid)
+        assert not is_running(pid)
         assert not (tmp_path / "redis.pid").exists()
     finally:
         with contextlib.suppress(ProcessLookupError):

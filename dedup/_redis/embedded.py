@@ -28,6 +28,7 @@ __all__ = [
     "EmbeddedRedis",
     "find_redis_server",
     "hash_entries_option",
+    "is_running",
     "server_name",
     "server_version",
 ]
@@ -240,19 +241,30 @@ def _stop_stale(pid_file: Path, data_dir: Path) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 5.0
-        while _running(pid) and time.monotonic() < deadline:
+        while is_running(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if _running(pid):
+        if is_running(pid):
             os.kill(pid, signal.SIGKILL)
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` still runs (an exited process nobody reaped yet does not)."""
+def is_running(pid: int) -> bool:
+    """Whether ``pid`` still runs: a process that exited and that nobody reaped yet (a
+    zombie: an orphan of a killed parent, on a system whose init is slow to reap) does
+    not. Read from /proc; where there is none, whether a signal can reach it."""
+    if Path("/proc").is_dir():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        # "pid (comm) state ...": comm may hold spaces and parentheses.
+        return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
-    return stat.rpartition(")")[2].split()[:1] != ["Z"]
+    except PermissionError:
+        return True
+    return True
 
 
 async def _pings(path: Path) -> bool:

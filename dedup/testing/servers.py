@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Self
 
 from dedup._redis.embedded import find_redis_server as _find_redis_server
+from dedup._redis.embedded import is_running
 from dedup.errors import ConfigError
 
 __all__ = [
@@ -85,20 +86,6 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[1])
 
 
-def _is_live(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    if Path("/proc").is_dir():
-        stat = _proc_stat(pid)
-        return stat is not None and stat[0] not in ("Z", "X")
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _descendants(pid: int) -> list[int]:
     """PIDs of all live descendants of ``pid`` (Linux /proc; none elsewhere).
 
@@ -146,7 +133,7 @@ def _signal_tree(pid: int, sig: signal.Signals) -> list[int]:
 def _wait_gone(pids: Sequence[int], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        alive = [pid for pid in pids if _is_live(pid)]
+        alive = [pid for pid in pids if is_running(pid)]
         if not alive:
             return
         if time.monotonic() > deadline:
