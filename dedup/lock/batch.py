@@ -159,9 +159,9 @@ async def _settle(
 
 
 async def _exchange(pool: ConnectionPool, commands: list[bytes]) -> list[Any]:
-    """Send ``commands`` (packed) in one write on one pooled connection and read their
-    replies in order, an error reply as its exception (:func:`dedup._redis.script.exchange`,
-    any failure closing the connection, so no unread reply is left on it).
+    """Send ``commands`` (packed) in one write on one connection and read their replies
+    in order, an error reply as its exception (:func:`dedup._redis.script.exchange`: no
+    unread reply is left for a later call, whether the connection is pooled or shared).
 
     Never retried, whatever the client's ``Retry`` says (redis-py gives ``Redis(host=...)``
     ten): the lock scripts are not safe to run twice. A release run again after its reply
