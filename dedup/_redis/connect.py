@@ -19,7 +19,7 @@ from redis.exceptions import (
     RedisError,
 )
 
-from dedup._redis.mux import Mux
+from dedup._redis.mux import BACKOFF_BASE_S, BACKOFF_CAP_S, Mux
 from dedup._redis.packing import fast_packing
 from dedup.errors import ConfigError
 from dedup.urls import CLUSTER_SCHEMES, REDIS_SCHEMES, scrub
@@ -91,7 +91,7 @@ def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis 
         # retry such errors twice on a fresh connection (every script here is safe to
         # repeat), but not timeouts, which would multiply the wait on a slow server.
         retry = Retry(
-            ExponentialBackoff(cap=0.05, base=0.005),
+            ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S),
             CONNECTION_RETRIES,
             supported_errors=(ConnectionError,),
         )

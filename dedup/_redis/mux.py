@@ -44,7 +44,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dedup._redis.packing import pack
 
-__all__ = ["Mux", "Subscription"]
+__all__ = ["BACKOFF_BASE_S", "BACKOFF_CAP_S", "Mux", "Subscription"]
 
 try:
     from redis._parsers.base import BaseParser
@@ -54,9 +54,10 @@ except ImportError:  # pragma: no cover - a redis-py laid out otherwise
     from redis.exceptions import ResponseError as _parse_error
 
 
-# Between resends of a call whose connection failed (as the pools' Retry in connect.py).
-_BACKOFF_BASE_S = 0.005
-_BACKOFF_CAP_S = 0.05
+# Between resends of a call whose connection failed; the pools' Retry (connect.py) backs
+# off by the same bounds.
+BACKOFF_BASE_S = 0.005
+BACKOFF_CAP_S = 0.05
 
 
 class _Call:
@@ -173,7 +174,7 @@ class Mux:
             except ConnectionError:
                 if attempt >= retries or generation != self._generation:
                     raise
-            await asyncio.sleep(min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**attempt))
+            await asyncio.sleep(min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt))
         raise AssertionError("unreachable")
 
     async def _call_once(self, packed: bytes, count: int) -> list[Any]:
