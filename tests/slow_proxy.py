@@ -4,6 +4,7 @@
 connection to the target, passes requests on at once and holds every chunk of
 the server's replies for ``delay_s`` (read when the chunk arrives, so lowering it
 takes effect for the replies that follow). It runs on the caller's event loop.
+:meth:`SlowProxy.lose_reply` makes it drop one reply and the connection it came on.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ class SlowProxy:
         self.delay_s = delay_s
         self.connections = 0
         """Client connections accepted so far."""
+        self.lost = 0
+        """Replies dropped by :meth:`lose_reply` so far."""
+        self._lose: tuple[bytes, bytes] | None = None
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -40,6 +44,12 @@ class SlowProxy:
     def url(self) -> str:
         """A redis:// URL that goes through the proxy."""
         return f"redis://127.0.0.1:{self.port}"
+
+    def lose_reply(self, sent: bytes, reply: bytes) -> None:
+        """Drop the next chunk of replies that contains ``reply`` on a connection whose
+        requests contained ``sent``, and close that connection: the server ran the
+        command, its answer never arrives (the network dropped it on the way back)."""
+        self._lose = (sent, reply)
 
     async def start(self) -> SlowProxy:
         """Listen on a free loopback port."""
@@ -72,8 +82,9 @@ class SlowProxy:
         server_w: asyncio.StreamWriter | None = None
         try:
             server_r, server_w = await asyncio.open_connection(self.target_host, self.target_port)
-            up = asyncio.create_task(self._pipe(client_r, server_w))
-            down = asyncio.create_task(self._delayed_pipe(server_r, client_w))
+            sent: list[bytes] = []  # what this connection sent, as far as lose_reply asks
+            up = asyncio.create_task(self._pipe(client_r, server_w, sent))
+            down = asyncio.create_task(self._delayed_pipe(server_r, client_w, sent))
             try:
                 await asyncio.wait((up, down), return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -90,14 +101,29 @@ class SlowProxy:
                         await asyncio.wait_for(w.wait_closed(), 1)
             self._tasks.discard(task)
 
-    @staticmethod
-    async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, sent: list[bytes]
+    ) -> None:
         with contextlib.suppress(OSError):
             while data := await src.read(_CHUNK):
+                lose = self._lose
+                if lose is not None and lose[0] in data and lose[0] not in sent:
+                    sent.append(lose[0])
                 dst.write(data)
                 await dst.drain()
 
-    async def _delayed_pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    def _loses(self, data: bytes, sent: list[bytes]) -> bool:
+        """Whether ``data`` is the reply :meth:`lose_reply` asked to drop (then it is)."""
+        lose = self._lose
+        if lose is None or lose[0] not in sent or lose[1] not in data:
+            return False
+        self._lose = None
+        self.lost += 1
+        return True
+
+    async def _delayed_pipe(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, sent: list[bytes]
+    ) -> None:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
 
@@ -115,6 +141,8 @@ class SlowProxy:
             while (item := await queue.get()) is not None:
                 due, data = item
                 await asyncio.sleep(max(0.0, due - loop.time()))
+                if self._loses(data, sent):
+                    return  # the connection closes with the reply unsent
                 dst.write(data)
                 await dst.drain()
         except OSError:

@@ -29,7 +29,7 @@ from redis.asyncio import Redis
 from dedup import ConfigError, Gateway, Row, SaveResult
 from dedup._claims.keys import KeySpace
 from dedup._engine.flights import Flight
-from dedup._engine.shared import _Queued
+from dedup._engine.shared import _POP, _Queued
 from dedup._engine.shared_wire import Wire
 from dedup._values import Limits, digest
 from dedup.options import GatewayOptions
@@ -622,6 +622,45 @@ async def test_a_pop_gives_back_the_holds_of_rows_it_cannot_use(
             assert (await a.save("email", "after@example.com")).created
     finally:
         await client.aclose()
+
+
+async def test_a_pop_whose_answer_is_lost_is_answered_again(redis_url: str, pg_url: str) -> None:
+    """The writer's pop runs on the server and its answer is lost on the way back (the
+    connection drops): the pop is sent again on a new connection and the script answers
+    it from its copy, so the writer writes the popped rows at once, rather than leave
+    them held by its term, answered by no one until their holds expire and their
+    claimants write them."""
+    parts = urlsplit(redis_url)
+    assert parts.hostname is not None and parts.port is not None
+    values = [("email", f"lostpop{i}@example.com") for i in range(40)]
+    options: dict[str, Any] = {**SHARED, "namespace": "lost-pop"}
+    async with (
+        SlowProxy(parts.hostname, parts.port) as proxy,
+        Gateway(proxy.url, pg_url, **options) as writer,
+    ):
+        await until("a writer", lambda: _shared(writer).writer)
+        async with Gateway(redis_url, pg_url, **options) as claimant:
+            await until("listening", lambda: _shared(claimant).active)
+            # The writer's shared connection sends the pop script; its answer carries
+            # the rows, values in clear.
+            proxy.lose_reply(_POP.sha.encode(), b"lostpop")
+            results = await asyncio.wait_for(claimant.save_many(values), WAIT_S)
+            mine = claimant.stats()
+        written = writer.stats().db_rows_sent
+    assert proxy.lost == 1, "the pop's answer was not dropped: the test tested nothing"
+    assert [r.created for r in results] == [True] * len(values)
+    assert mine.shared_rows_queued == len(values)
+    # Every row went through the writer's statement; none was left to its claimant.
+    assert mine.db_rows_sent == 0, f"the claimant wrote {mine.db_rows_sent} stranded rows"
+    assert written == len(values)
+    conn = await asyncpg.connect(pg_url)
+    try:
+        rows = await conn.fetchval(
+            "SELECT count(*) FROM dedup_items WHERE value LIKE 'lostpop%@example.com'"
+        )
+    finally:
+        await conn.close()
+    assert rows == len(values)
 
 
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["unsigned", "signed"])

@@ -50,6 +50,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dedup._claims.protocol import Claims
 from dedup._engine.flights import Flight, FlightTable
@@ -205,11 +206,13 @@ class SharedWrites:
         self._fleet_key = (prefix + "fleet").encode()
         self._writer_key = prefix + "writer"
         self._term_key = (prefix + "term").encode()
+        self._last_pop_key = (prefix + "popped").encode()  # the writer's last pop, kept
         self._channels = prefix + "done:"
         self.gateway_id = secrets.token_hex(8)
         self._channel = self._channels + self.gateway_id
         self._saved_channel = self._channels + SAVED
         self._nonces = itertools.count(1)
+        self._pops = itertools.count(1)  # the writer's pop ids (with its term)
         # Rows this gateway queued and still waits for, by key: the flight, its nonce and
         # the writer's term when it was queued (the writer that should pop it).
         self._pending: dict[bytes, _Queued] = {}
@@ -743,20 +746,26 @@ class SharedWrites:
     async def _take(self, count: int, popped: bytes | None = None) -> tuple[list[bytes], str]:
         """Up to ``count`` rows off the queue, holding the lease of each (and of
         ``popped``, a row a blocking pop took): the rows, and a flag per row (``popped``
-        first) that says whether its lease is now held."""
-        (taken, held), trips = await run_script(
-            self._client,
-            _POP,
-            [self._queue_key, self._term_key],
-            [
-                count,
-                self._term,
-                int(self._writer_lease_s * 1000),
-                self._lease_ms,
-                self._wire.key_prefix,
-                *(() if popped is None else (popped,)),
-            ],
-        )
+        first) that says whether its lease is now held. Sent again after a lost answer,
+        the same pop returns the same rows (see :data:`POP`)."""
+        keys = [self._queue_key, self._term_key, self._last_pop_key]
+        args = [
+            count,
+            self._term,
+            int(self._writer_lease_s * 1000),
+            self._lease_ms,
+            self._wire.key_prefix,
+            b"%s#%d" % (self._term, next(self._pops)),
+            *(() if popped is None else (popped,)),
+        ]
+        # The pop is safe to send again (the script answers a pop id it has seen from its
+        # copy): the shared connection does so after a connection error, and this after
+        # a timeout, so that rows whose answer was lost are not left held by this term.
+        try:
+            (taken, held), trips = await run_script(self._client, _POP, keys, args)
+        except RedisTimeoutError:
+            (taken, held), trips = await run_script(self._client, _POP, keys, args)
+            trips += 1
         self._stats.redis_round_trips += trips
         return list(taken), held.decode() if isinstance(held, bytes) else str(held)
 

@@ -59,18 +59,32 @@ return {1, term, table.concat(out)}
 """
 
 POP = """
--- KEYS[1]: the write queue; KEYS[2]: the writer's term
+-- KEYS[1]: the write queue; KEYS[2]: the writer's term; KEYS[3]: the writer's last pop
+--   (a list: its id, its flags, its rows)
 -- ARGV[1]: the most rows to take; ARGV[2]: this writer's term; ARGV[3]: its expiry in ms;
---   ARGV[4]: the lease in ms; ARGV[5]: the namespace's key prefix; ARGV[6...]: rows taken
---   off the queue before (by a blocking pop), to hold too
+--   ARGV[4]: the lease in ms; ARGV[5]: the namespace's key prefix; ARGV[6]: this pop's
+--   id (new for every pop of the writer; the same when the pop is sent again);
+--   ARGV[7...]: rows taken off the queue before (by a blocking pop), to hold too
 -- Returns: {up to ARGV[1] rows from the queue's head, taken off it; one character per
---   row, those of ARGV[6...] first: 1 when the lease its prefix names held its queued
+--   row, those of ARGV[7...] first: 1 when the lease its prefix names held its queued
 --   token (it now holds the queued token, '@', the term, for a lease, so that the
 --   statement ends inside it and its claimant cannot take it back), 0 when not
 --   (no readable prefix, a key outside the namespace, or a lease taken back, expired,
 --   another claimant's or saved)}
 -- A writer names its term at every pop: claimants wait for it while the term lasts.
 -- The rows are taken off before any is read, so no row can wedge the queue's head.
+-- A pop sent again because its answer was lost (the connection dropped after the
+-- server ran it) returns that answer again from KEYS[3], taking and holding nothing
+-- more: taken again, its rows would be held by this term and answered by no one until
+-- their holds expired. The next pop (another id) drops the copy; it also expires with
+-- the term.
+-- (pcall: a key of another type is no copy, and the DEL below replaces it.)
+local last = redis.pcall('LRANGE', KEYS[3], 0, 1)
+if last[1] == ARGV[6] then
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+  return {redis.call('LRANGE', KEYS[3], 2, -1), last[2]}
+end
+redis.call('DEL', KEYS[3])
 local term, lease, prefix = ARGV[2], ARGV[4], ARGV[5]
 redis.call('SET', KEYS[2], term, 'PX', ARGV[3])
 -- A count of 0 takes nothing (LRANGE 0 -1 would take the whole queue): a writer of one
@@ -95,9 +109,17 @@ local function hold(row)
   return '1'
 end
 local out = {}
-for i = 6, #ARGV do out[#out + 1] = hold(ARGV[i]) end
+for i = 7, #ARGV do out[#out + 1] = hold(ARGV[i]) end
 for i = 1, #rows do out[#out + 1] = hold(rows[i]) end
-return {rows, table.concat(out)}
+local flags = table.concat(out)
+if #out > 0 then
+  redis.call('RPUSH', KEYS[3], ARGV[6], flags)
+  for i = 1, #rows, 1000 do
+    redis.call('RPUSH', KEYS[3], unpack(rows, i, math.min(i + 999, #rows)))
+  end
+  redis.call('PEXPIRE', KEYS[3], ARGV[3])
+end
+return {rows, flags}
 """
 
 RENEW = """
