@@ -135,23 +135,29 @@ class Gateway(RunOnceMixin):
         """Stop taking saves, let saves in flight finish (bounded), then close everything.
 
         Saves still unfinished after ``drain_timeout_s`` (default: ``wait_timeout_s``)
-        fail with :class:`DedupError`; leases they held expire on their own.
+        fail with :class:`DedupError`; leases they held expire on their own. Saves
+        answered already have their values marked saved in Redis within the same bound.
         """
         if self._state in ("closing", "closed"):
             return
         self._state = "closing"
         engine = self._engine
         try:
-            if engine is not None and engine.flights.inflight:
+            if engine is not None and (engine.flights.inflight or engine.settling):
                 timeout = (
                     self.options.wait_timeout_s if drain_timeout_s is None else drain_timeout_s
                 )
                 loop = asyncio.get_running_loop()
                 deadline = loop.time() + timeout
                 # Wait for the flights, not the callers: a flight whose callers were all
-                # cancelled still holds a lease until it finishes. Polled, as this runs
-                # only at close, where an Event set on every resolve would tax the hot path.
-                while engine.flights.inflight and loop.time() < deadline:  # noqa: ASYNC110
+                # cancelled still holds a lease until it finishes. Then for the batches:
+                # the markers' commit follows the answers, and cut off it would leave
+                # the values leased (busy to every gateway) until their leases expire.
+                # Polled, as this runs only at close, where an Event set on every
+                # resolve would tax the hot path.
+                while (  # noqa: ASYNC110
+                    engine.flights.inflight or engine.settling
+                ) and loop.time() < deadline:
                     await asyncio.sleep(0.005)
         finally:
             try:

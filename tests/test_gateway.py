@@ -7,6 +7,7 @@ import random
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -25,6 +26,7 @@ from dedup import (
 from dedup._claims.keys import KeySpace
 from dedup._values import digest
 from tests.servers import PostgresCluster, RedisServer
+from tests.slow_proxy import SlowProxy
 
 GatewayFactory = Callable[..., Gateway]
 
@@ -582,6 +584,36 @@ async def test_redis_restarted_empty_mid_run(fresh_redis: RedisServer, database_
     assert rows == len(values)
     assert max(created.values()) <= 1  # at most one created=True per value
     assert lost == 0
+
+
+async def test_close_lets_the_last_batch_mark_its_values_saved(
+    redis_url: str, database_url: str
+) -> None:
+    """A gateway closed as soon as its saves are answered still marks them saved in
+    Redis: the markers' commit follows the answers, and here it ends after the close
+    began (its replies come 0.2 s late, and its script must be loaded first: the
+    server's script cache is empty). Cut off, it would leave the leases to expire, and
+    another gateway would wait them out as busy values, then write each again."""
+    client = aioredis.Redis.from_url(redis_url)
+    parts = urlsplit(redis_url)
+    assert parts.hostname is not None and parts.port is not None
+    try:
+        await client.script_flush()
+        values = [("email", f"closing{i}") for i in range(20)]
+        async with (
+            SlowProxy(parts.hostname, parts.port, delay_s=0.2) as slow,
+            # Per-process writes: nothing else (leaving the fleet) delays the close.
+            Gateway(slow.url, database_url, shared_writes="off") as gw,
+        ):
+            first = await gw.save_many(values)
+        assert [r.created for r in first] == [True] * len(values)
+        async with Gateway(redis_url, database_url, local_cache_size=0) as again:
+            results = await again.save_many(values)
+            stats = again.stats()
+    finally:
+        await client.aclose()
+    assert [r.source for r in results] == ["redis"] * len(values)
+    assert (stats.busy, stats.db_statements) == (0, 0)
 
 
 async def test_closed_gateway_refuses(redis_url: str, database_url: str) -> None:

@@ -279,6 +279,12 @@ class Engine:
                 if limit and int(node.get("used_memory", 0)) > limit * OOM_HEADROOM:
                     raise Unavailable("Redis is still nearly full", component="redis")
 
+    @property
+    def settling(self) -> bool:
+        """Whether a claim or write batch still runs: a write's markers' commit follows
+        its answers, so a batch may outlast every flight it had."""
+        return bool(self.claim_queue.running or self.write_queue.running)
+
     def spawn(self, coro: Awaitable[None]) -> None:
         """Run ``coro`` as a task owned by the engine (cancelled at :meth:`stop`)."""
         task: asyncio.Task[None] = self._loop.create_task(coro)  # type: ignore[arg-type]
