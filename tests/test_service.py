@@ -507,8 +507,15 @@ async def test_requests_the_http_parser_refuses_get_json_errors(
     header line too long, a bad chunk size): a 400 with the service's JSON error body,
     which quotes none of the request (aiohttp's own answer did, and logged it with a
     traceback: an over-long Authorization header put the token in the log; the last
-    test of this module checks the log)."""
+    test of this module checks the log), counted in the metrics as route "other"."""
     log_start = len(served.svc.log_text())
+    refused = '{code="400",route="other"}'
+
+    async def refused_so_far() -> float:
+        async with http.get("/metrics", headers=AUTH) as r:
+            return parse_metrics(await r.text()).get(f"dedup_http_responses_total{refused}", 0.0)
+
+    counted = await refused_so_far()
     too_long = f"Authorization: Bearer {TOKEN}{'a' * 9000}"
     for request, quoted in [
         (b"GARBAGE-LINE\r\n\r\n", b"GARBAGE"),
@@ -526,6 +533,7 @@ async def test_requests_the_http_parser_refuses_get_json_errors(
         assert_error(status, orjson.loads(body), "malformed_http")
         assert quoted not in body
     assert "Traceback" not in served.svc.log_text()[log_start:]
+    assert await refused_so_far() == counted + 3  # counted, as every other response
     async with http.get("/healthz") as r:  # the service is fine
         assert r.status == 200
 

@@ -530,11 +530,19 @@ class _RequestHandler(web.RequestHandler):
         code = "malformed_http" if status == 400 else CODE_FOR_STATUS.get(status, "http_error")
         response = _ApiError(status, code, f"the request is not valid HTTP/1.1 ({what})").response()
         response.force_close()
+        # Counted like every response (its path unknown: route "other"); no latency,
+        # as no request reached the application.
+        metrics = getattr(getattr(self, "_manager", None), "metrics", None)
+        if isinstance(metrics, ServiceMetrics):
+            metrics.response("other", status, 0.0)
         return response
 
 
 class _Server(web.Server):
     """aiohttp's protocol factory, making :class:`_RequestHandler` connection handlers."""
+
+    metrics: ServiceMetrics | None = None
+    """The application's metrics, where its handlers count the requests they refuse."""
 
     def __call__(self) -> web.RequestHandler:
         handler = super().__call__()
@@ -543,12 +551,15 @@ class _Server(web.Server):
         return handler
 
 
-def _answer_parser_errors_in_json(runner: web.AppRunner) -> None:
+def _answer_parser_errors_in_json(runner: web.AppRunner, metrics: ServiceMetrics) -> None:
     """Make ``runner``'s server answer unparsable requests with :class:`_RequestHandler`
-    (aiohttp builds its server and handlers itself, with no option for their classes)."""
+    and count them in ``metrics`` (aiohttp builds its server and handlers itself, with
+    no option for their classes)."""
     server = runner.server
     if type(server) is web.Server:
         server.__class__ = _Server
+        assert isinstance(server, _Server)
+        server.metrics = metrics
     else:  # an aiohttp laid out otherwise: keep its plain-text answers
         log.warning("aiohttp's server is not the expected class: its parser errors stay plain text")
 
@@ -591,7 +602,7 @@ async def serve(
     )
     try:
         await runner.setup()  # opens the Gateway: fails here if Redis or the database cannot
-        _answer_parser_errors_in_json(runner)
+        _answer_parser_errors_in_json(runner, state.metrics)
         try:
             site = web.TCPSite(
                 runner,
