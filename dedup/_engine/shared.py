@@ -206,7 +206,10 @@ class SharedWrites:
         self._fleet_key = (prefix + "fleet").encode()
         self._writer_key = prefix + "writer"
         self._term_key = (prefix + "term").encode()
-        self._last_pop_key = (prefix + "popped").encode()  # the writer's last pop, kept
+        # The copy of the writer's last pop (see POP), one key per term, so that a writer
+        # never drops the copy of another: named when the term starts.
+        self._last_pop_prefix = (prefix + "popped:").encode()
+        self._last_pop_key = b""
         self._channels = prefix + "done:"
         self.gateway_id = secrets.token_hex(8)
         self._channel = self._channels + self.gateway_id
@@ -638,6 +641,7 @@ class SharedWrites:
             # A term of its own each time: claimants whose rows an earlier term may have
             # popped (and lost) take them back when the term changes.
             self._term = f"{self.gateway_id}:{lease.fence}".encode()
+            self._last_pop_key = self._last_pop_prefix + self._term
             self._resign = False
             self._failures = 0
             log.info("shared writes: this gateway writes for the fleet (fence %s)", lease.fence)
@@ -660,6 +664,13 @@ class SharedWrites:
                         await asyncio.wait_for(lease.release(), 1)
                     except Exception:  # the lease expires on its own
                         log.debug("could not release the writer lease", exc_info=True)
+                if self._usable():
+                    try:
+                        # Its last pop's copy holds values in clear: gone with the term,
+                        # not a writer lease later.
+                        await asyncio.wait_for(self._client.delete(self._last_pop_key), 1)
+                    except Exception:  # it expires on its own
+                        log.debug("could not delete the writer's last pop", exc_info=True)
 
     async def _drain(self, lease: Lock) -> None:
         """Pop and write while the lease is held; a fleet of one drains what is left."""
