@@ -663,6 +663,39 @@ async def test_a_pop_whose_answer_is_lost_is_answered_again(redis_url: str, pg_u
     assert rows == len(values)
 
 
+async def test_a_blocking_pop_whose_answer_is_lost_ends_the_writers_term(
+    redis_url: str, pg_url: str
+) -> None:
+    """The writer's blocking pop (the queue was empty) takes a row on the server and its
+    answer is lost on the way back: it is not sent again (a second pop would leave that
+    row, off the queue and not held, to its caller's deadline, here two minutes away);
+    the writer's term ends instead, and the claimant takes its row back and writes it
+    at once."""
+    parts = urlsplit(redis_url)
+    assert parts.hostname is not None and parts.port is not None
+    options: dict[str, Any] = {**SHARED, "namespace": "lost-blpop", "wait_timeout_s": 120.0}
+    async with (
+        SlowProxy(parts.hostname, parts.port) as proxy,
+        Gateway(proxy.url, pg_url, **options) as writer,
+    ):
+        await until("a writer", lambda: _shared(writer).writer)
+        async with Gateway(redis_url, pg_url, **options) as claimant:
+            await until("listening", lambda: _shared(claimant).active)
+            proxy.lose_reply(b"BLPOP", b"lostblpop")
+            # A row may reach the writer's other pop, between two blocking ones: then
+            # the next value's row is the blocking pop's.
+            for i in range(5):
+                save = claimant.save("email", f"lostblpop{i}@example.com")
+                result = await asyncio.wait_for(save, WAIT_S)  # far below the deadline
+                assert result.created
+                if proxy.lost:
+                    break
+            mine = claimant.stats()
+    assert proxy.lost == 1, "no blocking pop's answer was dropped: the test tested nothing"
+    assert mine.shared_rows_queued == i + 1
+    assert mine.db_rows_sent == 1  # the row the writer never got, written by its claimant
+
+
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["unsigned", "signed"])
 async def test_malformed_stale_and_forged_answers_resolve_nothing(
     redis_url: str, pg_url: str, secret: str | None

@@ -723,7 +723,7 @@ class SharedWrites:
         rows, held = await self._take(self._batch_rows)
         try:
             if not rows:
-                got: Any = await self._client.blpop([self._queue_key], timeout=_POP_BLOCK_S)
+                got: Any = await self._blocking_pop()
                 self._stats.redis_round_trips += 1
                 if not got:
                     return [], ""
@@ -753,6 +753,22 @@ class SharedWrites:
                 raise
             self._redis_failed(exc)
         return rows, held
+
+    async def _blocking_pop(self) -> Any:
+        """``BLPOP`` of the queue (up to ``_POP_BLOCK_S``), never sent twice: a pool's
+        retry after a lost answer would pop another row and leave the first, off the
+        queue and not held, to its claimant's deadline. Failing instead, it ends this
+        term, and the claimant takes the row back and writes it at once."""
+        pool = self._client.connection_pool
+        conn = await pool.get_connection()  # type: ignore[no-untyped-call]  # unannotated
+        try:
+            await conn.send_command("BLPOP", self._queue_key, _POP_BLOCK_S)
+            return await conn.read_response()
+        except BaseException:
+            await conn.disconnect(nowait=True)  # an unread answer must not reach another use
+            raise
+        finally:
+            await pool.release(conn)
 
     async def _take(self, count: int, popped: bytes | None = None) -> tuple[list[bytes], str]:
         """Up to ``count`` rows off the queue, holding the lease of each (and of
