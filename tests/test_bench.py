@@ -28,6 +28,10 @@ def _check_run(r: dict[str, Any]) -> None:
     assert r["gateway_cpu_s"] > 0 and r["gateway_cpu_us_per_request"] > 0, r
     assert r["gateway_cpu_us_per_unique"] >= r["gateway_cpu_us_per_request"], r
     assert r["rps"] > 0 and r["seconds"] > 0, r
+    # Per process: the run's time is its slowest process's, its CPU their sum.
+    assert len(r["process_seconds"]) == len(r["process_cpu_s"]) == r["processes"], r
+    assert max(r["process_seconds"]) == r["seconds"], r
+    assert sum(r["process_cpu_s"]) == pytest.approx(r["gateway_cpu_s"]), r
     assert r["db_statements"] >= 1 and r["db_server_xacts"] >= 1, r
     assert r["rows_sent"] >= r["unique"], r
     if r["strategy"] == "dedup":

@@ -338,6 +338,8 @@ def run_processes(
         "db_server_xacts": max(xacts, 0),
         "gateway_cpu_s": sum(r["gateway_cpu_s"] for r in results),
         "local_share": [r["local_share"] for r in results],
+        "process_seconds": [r["seconds"] for r in results],
+        "process_cpu_s": [r["gateway_cpu_s"] for r in results],
         "redis_cpu_s": _minus(redis1, redis0),
         "pg_cpu_s": _minus(pg1, pg0),
     }

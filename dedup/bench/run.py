@@ -219,6 +219,10 @@ class RunResult:
     pg_cpu_s: float | None  # of the postmaster and all its backends, when the bench started it
     # Per process, the share of its requests its local tier answered (dedup; 0 otherwise).
     local_share: list[float] = field(default_factory=list)
+    # Per process, its time from first request to last answer, and its CPU: the run lasts
+    # as long as the slowest (with shared writes, often the fleet's writer).
+    process_seconds: list[float] = field(default_factory=list)
+    process_cpu_s: list[float] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
