@@ -859,6 +859,32 @@ async def test_a_writer_of_one_row_a_statement_pops_one_row(redis_url: str, pg_u
     assert max(sizes) == 1, sizes
 
 
+async def test_answered_rows_leave_the_wait_heap(redis_url: str, pg_url: str) -> None:
+    """A row queued for the writer is rechecked near its caller's deadline, seconds
+    away; once the writer's word has answered it, its flight (the callers' futures, the
+    value) must not stay in the wait heap until then: the heap drops answered entries as
+    it grows, so it holds about what is still waiting, not every value of the last
+    ``wait_timeout_s``."""
+    async with Gateway(redis_url, pg_url, **SHARED) as writer:
+        await until("a writer", lambda: _shared(writer).writer)
+        async with Gateway(redis_url, pg_url, **SHARED) as claimant:
+            await until("listening", lambda: _shared(claimant).active)
+            engine = claimant._engine
+            assert engine is not None
+            largest = 0
+            for round_ in range(40):
+                values = [("email", f"heap{round_}-{i}") for i in range(50)]
+                results = await claimant.save_many(values)  # one claim queues all 50
+                assert all(r.created for r in results)
+                largest = max(largest, len(engine.waits))
+            queued = claimant.stats().shared_rows_queued
+    assert queued == 2000, queued  # every row went to the writer and was rechecked
+    # Answered entries are dropped once the heap has doubled since the last purge: at
+    # most 64 (the first purge) plus a round's 50, never the 2,000 values answered.
+    assert largest <= 64 + 50, largest
+    assert len(await table(pg_url)) == 2000
+
+
 async def test_a_due_row_whose_take_back_is_under_way_still_gets_an_answer(
     redis_url: str, pg_url: str
 ) -> None:

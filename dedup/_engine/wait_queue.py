@@ -22,6 +22,7 @@ from dedup.metrics import Stats
 __all__ = ["WaitQueue"]
 
 WAKE_TICK_S = 0.005
+_PURGE_MIN = 64  # heap entries before answered ones are first dropped
 
 
 class WaitQueue:
@@ -30,8 +31,8 @@ class WaitQueue:
     ``requeue`` receives the woken flights (the claim queue), as one list per tick.
     """
 
-    __slots__ = ("_flights", "_heap", "_loop", "_max_backoff_s", "_min_backoff_s", "_rand",
-                 "_requeue", "_seq", "_stats", "_timer", "_wait_timeout_s")  # fmt: skip
+    __slots__ = ("_flights", "_heap", "_loop", "_max_backoff_s", "_min_backoff_s", "_purge_at",
+                 "_rand", "_requeue", "_seq", "_stats", "_timer", "_wait_timeout_s")  # fmt: skip
 
     def __init__(
         self,
@@ -56,6 +57,7 @@ class WaitQueue:
         self._heap: list[tuple[float, int, Flight]] = []
         self._seq = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._purge_at = _PURGE_MIN
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -79,11 +81,25 @@ class WaitQueue:
         """Claim ``f`` again at ``due`` unless it is answered before (a busy value, or a
         row queued for the fleet's writer)."""
         self._seq += 1
+        if len(self._heap) >= self._purge_at:
+            self._purge()
         heapq.heappush(self._heap, (due, self._seq, f))
         if self._heap[0][2] is f:
             if self._timer is not None:
                 self._timer.cancel()
             self._timer = self._loop.call_at(due, self._wake)
+
+    def _purge(self) -> None:
+        """Drop the entries of answered flights. A row queued for the fleet's writer is
+        rechecked near its caller's deadline, seconds away, though its word mostly comes
+        within milliseconds: kept until then, every answered flight (its callers' futures,
+        its value) would outlive its use by seconds, and be moved into the collector's
+        oldest generation, whose full scans grow with it. Amortised: the heap is filtered
+        again only once it has doubled."""
+        heap = [entry for entry in self._heap if not entry[2].done]
+        heapq.heapify(heap)
+        self._heap = heap
+        self._purge_at = max(_PURGE_MIN, 2 * len(heap))
 
     def _wake(self) -> None:
         """Hand every waiter that is due back to the claims, as one batch."""
