@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -641,3 +643,23 @@ async def test_scripts_reload_after_script_flush(redis_url: str, database_url: s
             await client.aclose()
         assert (await gw.save("email", "s2")).created  # NOSCRIPT -> loaded again
         assert gw.stats().redis_errors == 0
+
+
+def test_a_postgresql_gateway_does_not_import_sqlalchemy(redis_url: str, pg_url: str) -> None:
+    """SQLAlchemy (the SQLite sink's) and Alembic (migrations) stay out of a process that
+    saves to PostgreSQL: about 41,000 objects more that every full pass of the garbage
+    collector scans, in every gateway process, and their import time and memory."""
+    code = (
+        "import asyncio, sys\n"
+        "from dedup import Gateway\n"
+        "async def main():\n"
+        f"    async with Gateway({redis_url!r}, {pg_url!r}) as gw:\n"
+        "        assert (await gw.save('k', 'v')).created\n"
+        "asyncio.run(main())\n"
+        "print(sorted(m for m in ('sqlalchemy', 'alembic') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

@@ -12,15 +12,17 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import asyncpg
-import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from dedup.errors import ConfigError
 from dedup.types import Row
 from dedup.urls import DATABASE_SCHEMES, database_identity
+
+if TYPE_CHECKING:  # SQLAlchemy is imported by the SQLite sink only, when it is used
+    import sqlalchemy as sa
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 __all__ = [
     "DATABASE_SCHEMES",
@@ -50,17 +52,24 @@ PG_DELETE = "DELETE FROM dedup_items WHERE kind = ANY($1::text[])"
 PG_TABLE_EXISTS = "SELECT to_regclass('dedup_items') IS NOT NULL"
 PG_FETCH = "SELECT payload::text FROM dedup_items WHERE kind = $1 AND digest = $2"
 
-# An access description for SQLAlchemy Core, not a schema: the table itself is
-# created by the migrations. payload is declared Text because rows carry JSON
-# text already serialised; a JSON type would encode it a second time.
-_items = sa.Table(
-    "dedup_items",
-    sa.MetaData(),
-    sa.Column("kind", sa.Text, primary_key=True),
-    sa.Column("digest", sa.LargeBinary, primary_key=True),
-    sa.Column("value", sa.Text),
-    sa.Column("payload", sa.Text),
-)
+
+@functools.cache
+def _items() -> sa.Table:
+    """An access description for SQLAlchemy Core, not a schema: the table itself is
+    created by the migrations. payload is declared Text because rows carry JSON text
+    already serialised; a JSON type would encode it a second time. Built on first use:
+    a PostgreSQL gateway never imports SQLAlchemy, whose ~41,000 objects every full
+    pass of the garbage collector would otherwise scan in every gateway process."""
+    import sqlalchemy as sa
+
+    return sa.Table(
+        "dedup_items",
+        sa.MetaData(),
+        sa.Column("kind", sa.Text, primary_key=True),
+        sa.Column("digest", sa.LargeBinary, primary_key=True),
+        sa.Column("value", sa.Text),
+        sa.Column("payload", sa.Text),
+    )
 
 
 _SQLITE_MAX_ROWS = 8000
@@ -219,6 +228,9 @@ class SqliteSink:
 
     async def open(self) -> None:
         """Open the engine and check that the schema is there."""
+        import sqlalchemy as sa
+        from sqlalchemy.ext.asyncio import create_async_engine
+
         engine = create_async_engine(
             self._url, connect_args={"timeout": self._busy_s}, pool_size=1, max_overflow=0
         )
@@ -274,19 +286,28 @@ class SqliteSink:
 
     async def count(self, kinds: Sequence[str]) -> int:
         """How many rows the table holds for ``kinds``."""
-        stmt = sa.select(sa.func.count()).select_from(_items).where(_items.c.kind.in_(kinds))
+        import sqlalchemy as sa
+
+        items = _items()
+        stmt = sa.select(sa.func.count()).select_from(items).where(items.c.kind.in_(kinds))
         async with self._require_engine().connect() as conn:
             return int((await conn.execute(stmt)).scalar_one())
 
     async def delete(self, kinds: Sequence[str]) -> int:
         """Delete the rows of ``kinds``."""
+        import sqlalchemy as sa
+
+        items = _items()
         async with self._require_engine().begin() as conn:
-            result = await conn.execute(sa.delete(_items).where(_items.c.kind.in_(kinds)))
+            result = await conn.execute(sa.delete(items).where(items.c.kind.in_(kinds)))
             return int(result.rowcount)
 
     async def fetch(self, kind: str, digest: bytes) -> tuple[bool, str | None]:
         """Whether the row ``(kind, digest)`` exists, and its payload as JSON text."""
-        stmt = sa.select(_items.c.payload).where(_items.c.kind == kind, _items.c.digest == digest)
+        import sqlalchemy as sa
+
+        items = _items()
+        stmt = sa.select(items.c.payload).where(items.c.kind == kind, items.c.digest == digest)
         async with self._require_engine().connect() as conn:
             row = (await conn.execute(stmt)).first()
         return (False, None) if row is None else (True, row[0])
