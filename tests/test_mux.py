@@ -17,6 +17,7 @@ from dedup._redis.mux import Mux
 from dedup._redis.packing import pack
 from dedup._redis.script import exchange
 from dedup.testing.servers import RedisServer
+from tests.slow_proxy import SlowProxy
 
 
 def packed(*commands: tuple[object, ...]) -> bytes:
@@ -233,15 +234,22 @@ async def test_a_connection_the_server_closes_at_once_fails_fast(
     with a ConnectionError carrying the server's words, not after the socket timeout."""
     admin = Redis(host=fresh_redis.host, port=fresh_redis.port)
     await admin.config_set("maxclients", 1)  # this admin connection is the one
-    r = connect_redis(fresh_redis.url, max_connections=4, timeout_s=5)
-    assert isinstance(r, Redis)
+    # Directly, the refusal may arrive before the PING is written or after it (then as
+    # its reply); through a proxy that holds every reply 0.2 s, always after.
+    proxy = await SlowProxy(fresh_redis.host, fresh_redis.port, delay_s=0.2).start()
     try:
-        started = asyncio.get_running_loop().time()
-        with pytest.raises(ConnectionError, match="max number of clients"):
-            await exchange(r.connection_pool, packed(("PING",)), 1)
-        assert asyncio.get_running_loop().time() - started < 4
+        for url in (fresh_redis.url, proxy.url):
+            r = connect_redis(url, max_connections=4, timeout_s=5)
+            assert isinstance(r, Redis)
+            try:
+                started = asyncio.get_running_loop().time()
+                with pytest.raises(ConnectionError, match="max number of clients"):
+                    await exchange(r.connection_pool, packed(("PING",)), 1)
+                assert asyncio.get_running_loop().time() - started < 4
+            finally:
+                await r.aclose()
     finally:
-        await r.aclose()
+        await proxy.aclose()
         await admin.config_set("maxclients", 10000)
         await admin.aclose()
 

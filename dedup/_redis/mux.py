@@ -101,6 +101,13 @@ class _Protocol(asyncio.Protocol):
                 return
             if reply is False:  # RESP2 has no boolean: False means "need more bytes"
                 return
+            if type(reply) is ConnectionError:
+                # "max number of clients reached", the one error redis-py reads as this
+                # very class (its subclasses, NOAUTH say, leave the connection open): the
+                # server closes the connection after it, so it fails every call, not only
+                # the one whose command happened to be written before it arrived.
+                self._mux._broken(self, ConnectionError(f"Redis sent {reply}"))
+                return
             if self.on_push is not None:
                 self.on_push(reply)
                 continue
