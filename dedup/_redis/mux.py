@@ -111,7 +111,7 @@ class _Protocol(asyncio.Protocol):
             if self.on_push is not None:
                 self.on_push(reply)
                 continue
-            if not calls:  # "max number of clients reached", say, sent before closing
+            if not calls:  # another reply nobody asked for (an error sent before closing)
                 what = str(reply) if isinstance(reply, Exception) else "a reply nobody asked for"
                 self._mux._broken(self, ConnectionError(f"Redis sent {what}"))
                 return
