@@ -79,7 +79,9 @@ class RedisClusterServers:
         self._extra_args = list(extra_args)
         self.nodes: list[RedisServer] = []
         self.ids: dict[int, str] = {}  # port -> node id
-        self._bus_ports: dict[int, int] = {}
+        # By node, not by port: a node whose free port was taken before it bound starts
+        # on another one (RedisServer.start), and its bus port stays what it was given.
+        self._bus_ports: dict[RedisServer, int] = {}
 
     @property
     def url(self) -> str:
@@ -121,7 +123,7 @@ class RedisClusterServers:
                 self.command(node, "CLUSTER", "ADDSLOTS", *range(i * per, last + 1))
             first = self.nodes[0]
             for node in self.nodes[1:]:
-                self.command(first, "CLUSTER", "MEET", HOST, node.port, self._bus_ports[node.port])
+                self.command(first, "CLUSTER", "MEET", HOST, node.port, self._bus_ports[node])
             self._wait("every node to know every other", self._all_met)
             for j, replica in enumerate(self.nodes[self._primaries :]):
                 primary = primaries[j % self._primaries]
@@ -148,7 +150,7 @@ class RedisClusterServers:
             port = _port_with_bus()
             bus = port + _BUS_OFFSET
             node = RedisServer(port, extra_args=args)
-        self._bus_ports[node.port] = bus
+        self._bus_ports[node] = bus
         return node
 
     def _wait(self, what: str, check: Callable[[], bool], timeout: float = START_TIMEOUT) -> None:
