@@ -108,8 +108,13 @@ def test_schemathesis_finds_nothing(fuzzed: Fuzzed, tmp_path: Path) -> None:
         str(MAX_EXAMPLES),
         "--header",
         f"Authorization: Bearer {TOKEN}",
+        # One worker: schemathesis's workers are threads, and CPython 3.11 (3.11.7 here)
+        # can raise a spurious "AST constructor recursion depth mismatch" SystemError
+        # when threads build ASTs at once, as hypothesis does while it generates (the
+        # reports of it, python/cpython#106905, are from threaded programs; a CI run
+        # failed on it). The run takes seconds either way.
         "--workers",
-        "2",
+        "1",
         "--seed",
         SEED,
         "--request-timeout",
