@@ -30,7 +30,7 @@ from dedup import ConfigError, Gateway, Row, SaveResult
 from dedup._claims.keys import KeySpace
 from dedup._engine.flights import Flight
 from dedup._engine.shared import _POP, _Queued
-from dedup._engine.shared_wire import Wire
+from dedup._engine.shared_wire import BadMessage, Wire
 from dedup._values import Limits, digest
 from dedup.options import GatewayOptions
 from dedup.service.settings import load_settings
@@ -1094,3 +1094,29 @@ async def test_learning_can_be_turned_off_and_forged_broadcasts_teach_nothing(
         assert learner.stats().shared_learned == learned_before
         r = await learner.save("email", "never-saved")
         assert r.created and r.source == "write"  # not answered "saved" by the forgery
+
+
+def test_the_writer_checks_every_row_whatever_it_checked_before() -> None:
+    """The writer remembers the gateway ids and kinds it found good (a fleet has few), to
+    check popped rows faster: a row with a bad kind or gateway is still refused after
+    good rows, and rows naming ever new gateways leave that memory bounded."""
+    keys = KeySpace("dedup")
+    wire = Wire(sink="0123456789abcdef", secret=b"", keys=keys,
+                limits=Limits(max_value_bytes=100, max_payload_bytes=100))  # fmt: skip
+
+    def row(gateway: str, kind: str, value: str) -> bytes:
+        return wire.row(gateway, 1, "L1", keys.key(kind, digest(value)), kind, value, None)
+
+    good = wire.read_row(row("a" * 16, "email", "x@example.com"))
+    assert (good.gateway, good.row.kind) == ("a" * 16, "email")
+    for bad_kind in ("email\n", "", "e\u200bmail"):
+        with pytest.raises(BadMessage, match="not a valid save"):
+            wire.read_row(row("a" * 16, bad_kind, "x@example.com"))
+    for bad_gateway in ("A" * 16, "a" * 15, "a" * 17, "g" * 16):
+        with pytest.raises(BadMessage, match="names no gateway"):
+            wire.read_row(row(bad_gateway, "email", "x@example.com"))
+    for i in range(5000):
+        wire.read_row(row(f"{i:016x}", "email", f"v{i}"))
+    assert len(wire._gateways) <= 4096
+    with pytest.raises(BadMessage, match="names no gateway"):
+        wire.read_row(row("b" * 15, "email", "x@example.com"))

@@ -95,13 +95,17 @@ def sink_id(identity: str, secret: bytes) -> str:
 class Wire:
     """Encodes and checks the messages of one sink's shared writes."""
 
-    __slots__ = ("_keys", "_limits", "_mac_key", "sink")
+    __slots__ = ("_gateways", "_keys", "_kinds", "_limits", "_mac_key", "sink")
 
     def __init__(self, *, sink: str, secret: bytes, keys: KeySpace, limits: Limits) -> None:
         self.sink = sink
         self._mac_key = derive_key(secret, b"messages") if secret else b""
         self._keys = keys
         self._limits = limits
+        # Gateway ids and kinds of rows already found good: a fleet has few of each, and
+        # the writer checks every row it pops (bounded, in case junk names many).
+        self._gateways: set[str] = set()
+        self._kinds: set[str] = set()
 
     # ------------------------------------------------------------- queued rows
 
@@ -146,8 +150,10 @@ class Wire:
         if len(fields) != 9:
             raise BadMessage("a queued row has the wrong number of fields")
         _, _, gateway, nonce, token, key_hex, kind, value, payload = fields
-        if not (isinstance(gateway, str) and _GATEWAY_ID.fullmatch(gateway)):
-            raise BadMessage("a queued row names no gateway")
+        if type(gateway) is not str or gateway not in self._gateways:
+            if not (isinstance(gateway, str) and _GATEWAY_ID.fullmatch(gateway)):
+                raise BadMessage("a queued row names no gateway")
+            _remember(self._gateways, gateway)
         if type(nonce) is not int or nonce < 0:
             raise BadMessage("a queued row has no nonce")
         if not (isinstance(token, str) and 0 < len(token) <= _MAX_TOKEN_CHARS):
@@ -158,7 +164,8 @@ class Wire:
             raise BadMessage("a queued row has no key") from None
         claim = (gateway, nonce, key)
         try:
-            kind = validate_kind(kind)
+            if type(kind) is not str or kind not in self._kinds:
+                _remember(self._kinds, validate_kind(kind))
             digest = validate_value(value, self._limits)
             if payload is not None:
                 if not isinstance(payload, str):
@@ -267,3 +274,10 @@ class Wire:
         if fields[1] != self.sink:
             raise BadMessage("a message is meant for another sink")
         return fields
+
+
+def _remember(seen: set[str], item: str) -> None:
+    """Add ``item`` to a set of checked names, emptied when it reaches 4,096."""
+    if len(seen) >= 4096:
+        seen.clear()
+    seen.add(item)
