@@ -56,6 +56,7 @@ from dedup._claims.protocol import Claims
 from dedup._engine.flights import Flight, FlightTable
 from dedup._engine.local import SavedCache
 from dedup._engine.shared_scripts import (
+    END_TERM,
     ENQUEUE,
     HEARTBEAT,
     LEAVE,
@@ -80,7 +81,7 @@ log = logging.getLogger("dedup")
 
 _HEARTBEAT, _LEAVE, _ENQUEUE = Script(HEARTBEAT), Script(LEAVE), Script(ENQUEUE)
 _POP, _RENEW, _TAKE_BACK = Script(POP), Script(RENEW), Script(TAKE_BACK)
-_UNHOLD = Script(UNHOLD)
+_UNHOLD, _END_TERM = Script(UNHOLD), Script(END_TERM)
 _HEARTBEAT_S = 1.0
 _POP_BLOCK_S = 0.1
 _IDLE_S = 0.2
@@ -666,11 +667,21 @@ class SharedWrites:
                         log.debug("could not release the writer lease", exc_info=True)
                 if self._usable():
                     try:
-                        # Its last pop's copy holds values in clear: gone with the term,
-                        # not a writer lease later.
-                        await asyncio.wait_for(self._client.delete(self._last_pop_key), 1)
-                    except Exception:  # it expires on its own
-                        log.debug("could not delete the writer's last pop", exc_info=True)
+                        # The term ends now, not a writer lease later: claimants waiting
+                        # for it take their rows back at their next renewal (with no
+                        # other writer, they waited out the term's key), and its last
+                        # pop's copy, which holds values in clear, goes with it.
+                        await asyncio.wait_for(
+                            run_script(
+                                self._client,
+                                _END_TERM,
+                                [self._term_key, self._last_pop_key],
+                                [self._term],
+                            ),
+                            1,
+                        )
+                    except Exception:  # they expire on their own
+                        log.debug("could not end the writer's term", exc_info=True)
 
     async def _drain(self, lease: Lock) -> None:
         """Pop and write while the lease is held; a fleet of one drains what is left."""

@@ -5,7 +5,7 @@ unhold, take back), each one atomic step on the server.
 
 from __future__ import annotations
 
-__all__ = ["ENQUEUE", "HEARTBEAT", "LEAVE", "POP", "RENEW", "TAKE_BACK", "UNHOLD"]
+__all__ = ["END_TERM", "ENQUEUE", "HEARTBEAT", "LEAVE", "POP", "RENEW", "TAKE_BACK", "UNHOLD"]
 
 HEARTBEAT = """
 -- KEYS[1]: the set of live gateways (score: expiry in ms of the server's clock)
@@ -120,6 +120,20 @@ if #out > 0 then
   redis.call('PEXPIRE', KEYS[3], ARGV[3])
 end
 return {rows, flags}
+"""
+
+END_TERM = """
+-- KEYS[1]: the writer's term; KEYS[2]: this term's copy of its last pop
+-- ARGV[1]: the term that ends
+-- Returns: 1 if the term was still the current one (now none is)
+-- A writer that stops ends its term at once: claimants waiting for it take their rows
+-- back at their next renewal instead of once the term's key has expired.
+redis.call('DEL', KEYS[2])
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
 """
 
 RENEW = """
