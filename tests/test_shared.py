@@ -1126,11 +1126,11 @@ async def test_a_writer_that_closes_gives_up_the_role_before_it_returns(
     redis_url: str, pg_url: str
 ) -> None:
     """A writer gateway closed cleanly gives up the writer lease and ends its term before
-    ``aclose`` returns, so that another gateway writes for the fleet within one of its
-    tries, and rows queued for the closed writer are taken back at their claimants' next
-    renewal. Before, the term's key outlived the writer by a writer lease, and a gateway
-    left alone with rows queued waited that long for them (6.4 s in a 4-process bench
-    whose writer finished first)."""
+    ``aclose`` returns, and tells the other gateways, so that rows queued for it are taken
+    back, and another gateway stands, at once. Before, the term's key outlived the writer
+    by a writer lease, and a gateway left alone with rows queued waited that long for
+    them (6.4 s in a 4-process bench whose writer finished first); with the key gone but
+    no word, up to a renewal (a third of a lease)."""
     client = Redis.from_url(redis_url)
     try:
         async with Gateway(redis_url, pg_url, **{**SHARED, "lease_ms": 5000}) as other:
@@ -1144,10 +1144,12 @@ async def test_a_writer_that_closes_gives_up_the_role_before_it_returns(
                 await other.save_many([("email", f"before{i}") for i in range(50)])
             finally:
                 await w.aclose()
-            # Its term ended with it: claimants waiting for it take their rows back at
-            # their next renewal, not once the term's key expires a writer lease later.
+            # Its term ended with it, and the other gateway heard so: claimants waiting
+            # for it take their rows back, and candidates stand, at once, not once the
+            # term's key expires a writer lease later.
             assert not await client.exists(shared._writer_key)
             assert not await client.exists(shared._term_key)
+            await until("the end of the term heard", lambda: _shared(other)._nudges > 0)
             _shared(other)._rest_until = 0.0
             started = time.monotonic()
             await until("the other writes", partial(_is_writer, other))

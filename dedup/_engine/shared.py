@@ -90,6 +90,9 @@ _MAX_FAILURES = 3
 _REST_LEASES = 3
 """Leases a writer that gave up the role waits before standing again."""
 _WARN_EVERY_S = 10.0
+_NUDGE_GAP_S = 0.02
+"""The least time between two renewals or two tries for the writer lease that the end of
+a writer's term brings forward."""
 _ANSWER_GRACE_S = 0.25
 """How long a claimant that finds its queued row's lease gone waits for the writer's word
 before claiming the value afresh (the word is published before the lease goes)."""
@@ -215,6 +218,12 @@ class SharedWrites:
         self.gateway_id = secrets.token_hex(8)
         self._channel = self._channels + self.gateway_id
         self._saved_channel = self._channels + SAVED
+        # Where a writer that stops says so (any message there is only a nudge: a forged
+        # one costs a renewal and a try for the writer lease, nothing else).
+        self._ended_channel = self._channels + "ended"
+        self._renew_now = asyncio.Event()
+        self._stand_now = asyncio.Event()
+        self._nudges = 0
         self._nonces = itertools.count(1)
         self._pops = itertools.count(1)  # the writer's pop ids (with its term)
         # Rows this gateway queued and still waits for, by key: the flight, its nonce and
@@ -480,14 +489,18 @@ class SharedWrites:
 
     async def _listen(self) -> None:
         """Receive the writer's words on this gateway's channel; resubscribe after errors."""
-        channels = [self._channel]
+        channels = [self._channel, self._ended_channel]
         if self._learn is not None:
             channels.append(self._saved_channel)
-        saved = self._saved_channel.encode()
+        saved, ended = self._saved_channel.encode(), self._ended_channel.encode()
 
         def heard(channel: bytes, data: bytes) -> None:
             if channel == saved:
                 self._learn_saved(data)
+            elif channel == ended:
+                self._nudges += 1
+                self._renew_now.set()
+                self._stand_now.set()
             else:
                 self._answer(data)
 
@@ -543,7 +556,7 @@ class SharedWrites:
         that no other gateway claims a value whose row still waits for the writer, and
         take back the rows whose writer has stopped popping or changed since."""
         while not self._stopping:
-            await asyncio.sleep(self._lease_s / 3)
+            await self._pause(self._renew_now, self._lease_s / 3)
             pending = self._pending
             for key in [k for k, e in pending.items() if e.flight.done]:
                 del pending[key]
@@ -596,6 +609,17 @@ class SharedWrites:
                 self._redis_failed(exc)
             await asyncio.sleep(_HEARTBEAT_S)
 
+    @staticmethod
+    async def _pause(nudge: asyncio.Event, seconds: float) -> None:
+        """Sleep ``seconds``, or until ``nudge`` is set (a writer's term ended), then a
+        moment more, so that a flood of such messages cannot make a loop spin."""
+        try:
+            await asyncio.wait_for(nudge.wait(), seconds)
+        except TimeoutError:
+            return
+        nudge.clear()
+        await asyncio.sleep(_NUDGE_GAP_S)
+
     def _bad(self, reason: str) -> None:
         """A message that cannot be used: count it, and log at most once per interval."""
         self._stats.shared_bad_messages += 1
@@ -632,7 +656,7 @@ class SharedWrites:
                 continue
             try:
                 if not await lease.acquire(blocking=False):
-                    await asyncio.sleep(self._lease_s / 3)
+                    await self._pause(self._stand_now, self._lease_s / 3)
                     continue
             except (RedisError, OSError) as exc:
                 self._redis_failed(exc)
@@ -667,16 +691,17 @@ class SharedWrites:
                         log.debug("could not release the writer lease", exc_info=True)
                 if self._usable():
                     try:
-                        # The term ends now, not a writer lease later: claimants waiting
-                        # for it take their rows back at their next renewal (with no
-                        # other writer, they waited out the term's key), and its last
-                        # pop's copy, which holds values in clear, goes with it.
+                        # The term ends now, not a writer lease later, and the gateways
+                        # hear it: claimants waiting for it take their rows back and
+                        # candidates stand at once (before, with no other writer, they
+                        # waited out the term's key). Its last pop's copy, which holds
+                        # values in clear, goes with it.
                         await asyncio.wait_for(
                             run_script(
                                 self._client,
                                 _END_TERM,
                                 [self._term_key, self._last_pop_key],
-                                [self._term],
+                                [self._term, self._ended_channel],
                             ),
                             1,
                         )

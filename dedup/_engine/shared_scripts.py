@@ -124,13 +124,16 @@ return {rows, flags}
 
 END_TERM = """
 -- KEYS[1]: the writer's term; KEYS[2]: this term's copy of its last pop
--- ARGV[1]: the term that ends
--- Returns: 1 if the term was still the current one (now none is)
--- A writer that stops ends its term at once: claimants waiting for it take their rows
--- back at their next renewal instead of once the term's key has expired.
+-- ARGV[1]: the term that ends; ARGV[2]: the channel every gateway of the sink hears
+-- Returns: 1 if the term was still the current one (now none is, and the gateways are
+--   told so)
+-- A writer that stops ends its term at once, and says so: claimants waiting for it take
+-- their rows back, and candidates stand, at once instead of at their next renewal or
+-- try (or, for the term's key, a writer lease later).
 redis.call('DEL', KEYS[2])
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[2], 'ended')
   return 1
 end
 return 0
