@@ -27,13 +27,15 @@ class Stats:
     failed) and ``degraded_answers`` (values answered by a degraded write, with
     Redis skipped; they are also counted in ``write`` or ``db``).
     Shared writes: ``shared_rows_queued`` (winners' rows this gateway queued for
-    the fleet's writer), ``shared_statements`` (statements it wrote as that
-    writer, also counted in ``db_statements``), ``shared_rows_returned`` (queued rows
-    it took back and wrote itself: no word in time, or the writer answered "write it
-    yourself"), ``shared_queue_full`` (rows it wrote itself because the queue was at
-    ``shared_queue_max``), ``shared_bad_messages`` (queued rows, answers and saved-values
-    messages it skipped as malformed, forged or meant for another sink) and
-    ``shared_learned`` (values its local tier learned from the fleet's writer).
+    the fleet's writer), ``shared_rows_own`` (winners' rows it wrote in its own
+    statements as that writer, without queuing them), ``shared_statements``
+    (statements it wrote as that writer, also counted in ``db_statements``),
+    ``shared_rows_returned`` (queued rows it took back and wrote itself: no word in
+    time, or the writer answered "write it yourself"), ``shared_queue_full`` (rows it
+    wrote itself because the queue was at ``shared_queue_max``), ``shared_bad_messages``
+    (queued rows, answers and saved-values messages it skipped as malformed, forged or
+    meant for another sink) and ``shared_learned`` (values its local tier learned from
+    the fleet's writer).
     """
 
     local: int = 0
@@ -56,6 +58,7 @@ class Stats:
     breaker_opens: int = 0
     degraded_answers: int = 0
     shared_rows_queued: int = 0
+    shared_rows_own: int = 0
     shared_statements: int = 0
     shared_rows_returned: int = 0
     shared_queue_full: int = 0

@@ -600,43 +600,52 @@ async def test_shared_write_queue_holds_values_while_rows_wait(redis_url: str) -
     prefix = b"dedup:{w}:" + sink_id("a test table", b"").encode()
     queue_key, writer_key = prefix + b":queue", prefix + b":writer"
     tasks: list[asyncio.Task[Any]] = []
+    options: dict[str, Any] = {
+        "sink": held,
+        "shared_writes": "on",
+        "max_batch": 1,
+        "lease_ms": 60_000,
+        "wait_timeout_s": 120,  # time to wait for the writer, then write it here
+    }
     try:
         # One row per statement: the writer keeps two statements in flight, so with
-        # both held in the sink a third row stays queued.
-        async with Gateway(
-            redis_url,
-            sink=held,
-            shared_writes="on",
-            max_batch=1,
-            lease_ms=60_000,
-            wait_timeout_s=120,  # time to wait for the writer, then write it here
-        ) as gw:
+        # both held in the sink a third row stays queued. The rows are another
+        # gateway's: the writer's own winners join its statements without the queue.
+        async with Gateway(redis_url, **options) as writer:
 
             async def writer_stands() -> bool:
                 return bool(await client.exists(writer_key))
 
             await until("the gateway to stand as the shared writer", writer_stands)
-            for n, value in enumerate(values[:2], start=1):
-                tasks.append(asyncio.create_task(gw.save(kind, value, {"note": value})))
-                await until(f"statement {n} in the sink", lambda n=n: sink_calls(n))
+            async with Gateway(redis_url, **options) as gw:
 
-            async def queued() -> bool:
-                return bool(await client.llen(queue_key))
+                async def queues() -> bool:  # listening for the writer's words
+                    shared = gw._engine.shared if gw._engine is not None else None
+                    return shared is not None and shared.active
 
-            tasks.append(asyncio.create_task(gw.save(kind, values[2], {"note": values[2]})))
-            await until("a row waiting in the queue", queued)
-            entries = await client.lrange(queue_key, 0, -1)
-            assert len(entries) == 1
-            # <key length: 2 bytes><lease key><queued token>|<mac>|<JSON>
-            raw = cast(bytes, entries[0])
-            message = raw[2 + int.from_bytes(raw[:2], "big") :].partition(b"|")[2]
-            entry = orjson.loads(message.partition(b"|")[2])
-            # [format, sink, gateway id, nonce, token, lease key hex, kind, value, payload]
-            assert entry[6] == kind
-            assert entry[7] == values[2]  # the value itself, in Redis
-            assert values[2].encode() in entries[0]
-            release.set()
-            results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+                await until("the other gateway to queue its rows", queues)
+                for n, value in enumerate(values[:2], start=1):
+                    tasks.append(asyncio.create_task(gw.save(kind, value, {"note": value})))
+                    await until(f"statement {n} in the sink", lambda n=n: sink_calls(n))
+
+                async def queued() -> bool:
+                    return bool(await client.llen(queue_key))
+
+                tasks.append(asyncio.create_task(gw.save(kind, values[2], {"note": values[2]})))
+                await until("a row waiting in the queue", queued)
+                entries = await client.lrange(queue_key, 0, -1)
+                assert len(entries) == 1
+                # <key length: 2 bytes><lease key><queued token>|<mac>|<JSON>
+                raw = cast(bytes, entries[0])
+                message = raw[2 + int.from_bytes(raw[:2], "big") :].partition(b"|")[2]
+                entry = orjson.loads(message.partition(b"|")[2])
+                # [format, sink, gateway id, nonce, token, lease key hex, kind, value, payload]
+                assert entry[6] == kind
+                assert entry[7] == values[2]  # the value itself, in Redis
+                assert values[2].encode() in entries[0]
+                release.set()
+                results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            assert writer.stats().shared_statements == 3
         assert [(r.created, r.source) for r in results] == [(True, "write")] * 3
         contents = await _redis_contents(client)
     finally:

@@ -1158,3 +1158,44 @@ async def test_a_writer_that_closes_gives_up_the_role_before_it_returns(
             assert all(r.created for r in results)
     finally:
         await client.aclose()
+
+
+async def test_the_writer_writes_its_own_winners_without_queuing_them(
+    redis_url: str, pg_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """While it writes for the fleet (and is not waiting on an empty queue), the writer's
+    own winners join its next statement straight away: not queued, not checked, not
+    answered over Redis. Both gateways race on every value, the writer's statements are
+    slow (so that it is busy), and every value still has exactly one ``created=True``,
+    while the writer writes and once it has left."""
+    ledger = Ledger()
+    slow = _slow_sink(pg_url, 0.05)
+    try:
+        async with Gateway(redis_url, pg_url, **SHARED) as claimant:
+            _shared(claimant)._rest_until = float("inf")  # it never stands
+            writer = Gateway(redis_url, sink=slow, **SHARED)
+            await writer.open()
+            try:
+                await until("a writer", partial(_is_writer, writer))
+                async with loaded([writer, claimant], ledger, both=True) as load:
+                    await load.grows_by(1500, "saves while the writer writes")
+                    await until(
+                        "own rows in the writer's statements",
+                        lambda: writer.stats().shared_rows_own > 0,
+                    )
+            finally:
+                await writer.aclose()
+            async with loaded([claimant], ledger, both=True) as load:
+                await load.grows_by(300, "saves after the writer left")
+            stats = [writer.stats(), claimant.stats()]
+    finally:
+        await slow.aclose()
+    rows = await check_contract(
+        capsys, "the writer's own winners", pg_url, ledger,
+        own=stats[0].shared_rows_own, writer_queued=stats[0].shared_rows_queued,
+        claimant_queued=stats[1].shared_rows_queued,
+    )  # fmt: skip
+    assert stats[0].shared_rows_own > 0 and stats[1].shared_rows_queued > 0
+    assert not ledger.errors
+    missing = [k for k in rows if ledger.acks.get(k, []).count(True) != 1]
+    assert not missing, f"{len(missing)} of {len(rows)} rows had no created=True: {missing[:5]}"

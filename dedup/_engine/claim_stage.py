@@ -97,9 +97,13 @@ class ClaimStage:
         started = self._loop.time()
         owner = self._shared
         shared = owner if owner is not None and owner.active else None
+        # The fleet's writer does not queue its own winners: they join its next statement.
+        own = shared is not None and shared.takes_own()
         # A value whose row went to the writer once and whose lease was lost meanwhile
         # is not queued again: won again, it is written here.
-        prepared = None if shared is None else shared.prepare([f for f in batch if not f.shared])
+        prepared = (
+            None if shared is None or own else shared.prepare([f for f in batch if not f.shared])
+        )
         keys = [f.key for f in batch]
         reply: Any = None
         try:
@@ -131,7 +135,7 @@ class ClaimStage:
         for f, letter in zip(batch, letters, strict=True):
             if letter == "W":
                 f.claimed_at = started
-                if shared is not None:
+                if shared is not None and not own:
                     f.shared = True
                 if f.done or f.key in queued:
                     continue  # its row waits for the writer (whose word may be in already)
@@ -142,4 +146,6 @@ class ClaimStage:
             else:
                 busy.append(f)
         self._stats.redis += saved
+        if own and shared is not None:
+            won = shared.add_own(won)  # those it cannot take now are written here
         return Claimed(won, busy, [])

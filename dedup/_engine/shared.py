@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import secrets
@@ -125,6 +126,11 @@ class Enqueue:
         self.call = call
 
 
+_Words = dict[str, dict[str, list[Any]]]
+"""The writer's words of one statement: per claimant gateway, per letter, the flat list
+``[key_hex, nonce, ...]`` of :meth:`Wire.answer`."""
+
+
 _ENDED = b""
 """The term of a row held by a writer whose term ended: never the current one."""
 
@@ -192,6 +198,11 @@ class SharedWrites:
         self._statements = asyncio.Semaphore(2)
         self._writing = 0
         self._popping = False
+        self._blocking = False  # the writer waits on an empty queue (a blocking pop)
+        self._draining = False  # the writer pops and writes (its lease held)
+        # The writer's own winners, for its next statement: they need not travel through
+        # the queue, be checked, nor be answered over Redis (see :meth:`takes_own`).
+        self._own: list[Flight] = []
         self._lease_s = lease_s
         self._lease_ms = max(1, int(lease_s * 1000))
         self._writer_lease_s = max(1.0, lease_s)
@@ -272,6 +283,34 @@ class SharedWrites:
             await asyncio.wait_for(_LEAVE(self._client, [self._fleet_key], [self.gateway_id]), 1)
 
     # ------------------------------------------------------------- claimant side
+
+    def takes_own(self) -> bool:
+        """Whether this gateway's winners should join its own next statement as the
+        fleet's writer (:meth:`add_own`) rather than the queue: while it writes for the
+        fleet and is not waiting on an empty queue (a blocking pop, which they would not
+        wake)."""
+        return (
+            self._draining
+            and not self._blocking
+            and not self._resign
+            and not self._stopping
+            and not self._abandoned
+        )
+
+    def add_own(self, won: list[Flight]) -> list[Flight]:
+        """Take ``won``, winners of a claim sent while :meth:`takes_own`, into this
+        writer's next statement; returns those it cannot take (it stopped writing, or
+        waits on an empty queue, meanwhile): they are written here, per process."""
+        if not won or not self.takes_own():
+            return won
+        self._own += won
+        return []
+
+    def _flush_own(self) -> None:
+        """The writer stops writing: its own winners not written yet are written here."""
+        own, self._own = [f for f in self._own if not f.done], []
+        if own:
+            self._write_here(own)
 
     def prepare(self, claiming: list[Flight]) -> Enqueue | None:
         """The rows of ``claiming`` to queue for the writer, as a script call to send right
@@ -710,6 +749,14 @@ class SharedWrites:
 
     async def _drain(self, lease: Lock) -> None:
         """Pop and write while the lease is held; a fleet of one drains what is left."""
+        self._draining = True
+        try:
+            await self._drain_loop(lease)
+        finally:
+            self._draining = False
+            self._flush_own()
+
+    async def _drain_loop(self, lease: Lock) -> None:
         while (
             not lease.lost.is_set()
             and not self._stopping
@@ -726,17 +773,20 @@ class SharedWrites:
                 raise
             finally:
                 self._popping = False
-            if rows:
+            # The writer's own winners fill the statement up to a batch (the rest, the next).
+            room = max(0, self._batch_rows - len(rows))
+            own, self._own = self._own[:room], self._own[room:]
+            if rows or own:
                 self._writing += 1  # now, so that stop() waits for it
-                self._spawn(self._write_in_slot(rows, held))
+                self._spawn(self._write_in_slot(rows, held, own))
             else:
                 self._statements.release()
                 if not self.active:
                     return  # nothing left, and no fleet to write for
 
-    async def _write_in_slot(self, rows: list[bytes], held: str) -> None:
+    async def _write_in_slot(self, rows: list[bytes], held: str, own: list[Flight]) -> None:
         try:
-            await self._write(rows, held)
+            await self._write(rows, held, own)
         except (RedisError, OSError) as exc:
             self._redis_failed(exc)
         finally:
@@ -758,8 +808,12 @@ class SharedWrites:
         busy = self._writing > 0
         rows, held = await self._take(self._batch_rows)
         try:
-            if not rows:
-                got: Any = await self._blocking_pop()
+            if not rows and not self._own:
+                self._blocking = True
+                try:
+                    got: Any = await self._blocking_pop()
+                finally:
+                    self._blocking = False
                 self._stats.redis_round_trips += 1
                 if not got:
                     return [], ""
@@ -767,14 +821,14 @@ class SharedWrites:
                 more, held = await self._take(self._batch_rows - 1, got[1])
                 rows += more
             while (
-                len(rows) < self._fill
+                len(rows) + len(self._own) < self._fill
                 and not self._stopping
                 and self._loop.time() < last_linger
                 and (
                     self._writing
                     or (
                         busy
-                        and len(rows) < self._small
+                        and len(rows) + len(self._own) < self._small
                         and self._loop.time() - started < self._small_wait_s
                     )
                 )
@@ -832,15 +886,13 @@ class SharedWrites:
         self._stats.redis_round_trips += trips
         return list(taken), held.decode() if isinstance(held, bytes) else str(held)
 
-    async def _write(self, raw: list[bytes], held: str) -> None:
+    async def _write(self, raw: list[bytes], held: str, own: list[Flight]) -> None:
         """Check the popped rows (``held``: whether the pop holds each one's lease), write
-        them in one sorted statement, then each claimant's word and the markers (one round
-        trip)."""
-        words: dict[str, dict[str, list[Any]]] = {}
-
-        def word(gateway: str, letter: str, nonce: int, key: bytes) -> None:
-            words.setdefault(gateway, {}).setdefault(letter, []).extend((key.hex(), nonce))
-
+        them and this writer's ``own`` winners in one sorted statement, then each
+        claimant's word and the markers (one round trip); its own callers are answered
+        as soon as the statement is committed, as a per-process write answers them."""
+        words: _Words = {}
+        word = functools.partial(_word, words)
         chosen: dict[bytes, QueuedRow] = {}
         give_back: list[tuple[bytes, str]] = []  # holds taken for rows not written
         for item, flag in zip(raw, held, strict=True):
@@ -858,25 +910,55 @@ class SharedWrites:
                 chosen[q.key] = q
             else:  # its lease is gone or another's, or a second row of one key
                 word(q.gateway, "r", q.nonce, q.key)
+        # Own winners whose claim's lease is still long enough for a statement (the
+        # others, and a second flight of a key the queue brought, are written here: the
+        # write stage claims them again first).
+        now, limit = self._loop.time(), self._lease_s - self._write_budget_s
+        mine = [
+            f for f in own if not f.done and now - f.claimed_at <= limit and f.key not in chosen
+        ]
         if self._resign or self._stopping:  # given up meanwhile: hand them back
             give_back += ((q.key, q.token) for q in chosen.values())
             for q in chosen.values():
                 word(q.gateway, "r", q.nonce, q.key)
-            chosen = {}
+            chosen, mine = {}, []
+        if len(mine) != len(own):
+            here = {id(f) for f in mine}
+            self._write_here([f for f in own if not f.done and id(f) not in here])
+        try:
+            await self._write_statement(words, give_back, list(chosen.values()), mine)
+        except BaseException:
+            # Own winners this statement did not answer (a failure before it, or the
+            # end of the engine) are written here, like rows whose writer says "r".
+            self._write_here([f for f in mine if not f.done])
+            raise
+
+    async def _write_statement(
+        self,
+        words: _Words,
+        give_back: list[tuple[bytes, str]],
+        entries: list[QueuedRow],
+        mine: list[Flight],
+    ) -> None:
+        """:meth:`_write` once the rows are checked: ``entries`` (popped, held) and
+        ``mine`` (own winners) in one statement, then the words and the markers; the rows
+        ``give_back`` names are queued again first. Own winners are answered here, or
+        (statement failed) handed to the write stage."""
+        word = functools.partial(_word, words)
         if give_back:  # queued again first, so that their claimants may take them back
             await self._give_back(give_back)
-        entries = sorted(chosen.values(), key=lambda q: (q.row.kind, q.row.digest))
-        if not entries:
+        if not entries and not mine:
             await self._publish(words)
             return
+        rows = [q.row for q in entries]
+        rows += (Row(f.kind, f.digest, f.value, f.payload_json) for f in mine)
+        rows.sort(key=_row_order)  # unsorted concurrent multi-row upserts deadlock
         stats = self._stats
         stats.db_statements += 1
-        stats.db_rows_sent += len(entries)
+        stats.db_rows_sent += len(rows)
         stats.shared_statements += 1
         try:
-            inserted = await write_rows(
-                self._sink, [q.row for q in entries], self._write_timeout_s, self._abandoned
-            )
+            inserted = await write_rows(self._sink, rows, self._write_timeout_s, self._abandoned)
         except Exception as exc:
             stats.db_errors += 1
             self._failures += 1
@@ -886,7 +968,7 @@ class SharedWrites:
             # "write it yourself", never this database's error text.
             log.warning(
                 "shared writes: a statement of %d rows failed (%s); their claimants write them",
-                len(entries),
+                len(rows),
                 type(exc).__name__,
             )
             # Queued again, so that their claimants can take them back and write them.
@@ -894,22 +976,33 @@ class SharedWrites:
             for q in entries:
                 word(q.gateway, "r", q.nonce, q.key)
             await self._publish(words)
+            if mine:  # written here, as a claimant told "r" writes its rows
+                self._write_here(mine)
             return
         self._failures = 0
         for q in entries:
             letter = "i" if (q.row.kind, q.row.digest) in inserted else "e"
             word(q.gateway, letter, q.nonce, q.key)
+        resolve = self._flights.resolve
+        stats.shared_rows_own += len(mine)
+        for f in mine:
+            if (f.kind, f.digest) in inserted:
+                stats.write += 1
+                resolve(f, "write")
+            else:
+                stats.db += 1
+                resolve(f, "db")
         # Callers are answered once the rows are committed, every gateway's local tier
         # learns the values, and the markers are set: all in one round trip, since the
         # next statement waits for this one's slot.
         try:
             await self._claims.commit_after(
-                self._publishes(words, [q.row for q in entries]), [q.key for q in entries]
+                self._publishes(words, rows), [q.key for q in entries] + [f.key for f in mine]
             )
         except (RedisError, OSError) as exc:
             stats.redis_errors += 1
             self._redis_failed(exc)
-            log.warning("could not answer and mark %d saved values in Redis: %s", len(entries), exc)
+            log.warning("could not answer and mark %d saved values in Redis: %s", len(rows), exc)
 
     async def _give_back(self, leases: list[tuple[bytes, str]]) -> None:
         """Queue again the rows whose leases (key, queued token) this term holds, for
@@ -922,7 +1015,7 @@ class SharedWrites:
         )
         self._stats.redis_round_trips += trips
 
-    async def _publish(self, words: dict[str, dict[str, list[Any]]]) -> None:
+    async def _publish(self, words: _Words) -> None:
         """Each claimant's word on its channel, in one round trip (no rows committed)."""
         commands = self._publishes(words)
         if not commands:
@@ -931,7 +1024,7 @@ class SharedWrites:
         self._stats.redis_round_trips += trips
 
     def _publishes(
-        self, words: dict[str, dict[str, list[Any]]], saved: list[Row] | None = None
+        self, words: _Words, saved: list[Row] | None = None
     ) -> list[tuple[str, str, bytes]]:
         """The ``PUBLISH`` commands of each claimant's word on its channel and, when rows
         were committed, of their values on the sink's one saved-values channel (sent
@@ -941,3 +1034,11 @@ class SharedWrites:
         if saved:
             commands.append(("PUBLISH", self._saved_channel, self._wire.saved(saved)))
         return commands
+
+
+def _word(words: _Words, gateway: str, letter: str, nonce: int, key: bytes) -> None:
+    words.setdefault(gateway, {}).setdefault(letter, []).extend((key.hex(), nonce))
+
+
+def _row_order(row: Row) -> tuple[str, bytes]:
+    return (row.kind, row.digest)

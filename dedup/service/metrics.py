@@ -65,6 +65,7 @@ _STAT_HELP = {
     "breaker_opens": "Times the circuit opened because Redis failed or stalled (degraded mode).",
     "degraded_answers": "Values answered by a degraded write (Redis skipped); also in write/db.",
     "shared_rows_queued": "Rows this gateway queued for the fleet's shared writer.",
+    "shared_rows_own": "Rows this gateway wrote as the fleet's writer without queuing them.",
     "shared_statements": "Statements this gateway wrote as the fleet's shared writer.",
     "shared_rows_returned": "Queued rows this gateway took back and wrote itself.",
     "shared_queue_full": "Rows written here because the shared queue was at shared_queue_max.",
