@@ -93,12 +93,20 @@ class ClaimStage:
         """Claim ``batch`` in one script call; answer the values found saved and return
         where the others go. With shared writes, the rows of the values it wins are
         queued for the fleet's writer by a second script in the same round trip; those
-        wait for the writer's word and are in no list of the result."""
-        started = self._loop.time()
+        wait for the writer's word and are in no list of the result. The fleet's writer
+        queues nothing: its winners join its next statement (and are in no list either)."""
         owner = self._shared
         shared = owner if owner is not None and owner.active else None
-        # The fleet's writer does not queue its own winners: they join its next statement.
-        own = shared is not None and shared.takes_own()
+        if shared is None or not shared.takes_own():
+            return await self._run(batch, shared, own=False)
+        shared.own_claims += 1  # its pops wait for these winners, not on the queue
+        try:
+            return await self._run(batch, shared, own=True)
+        finally:
+            shared.own_claims -= 1
+
+    async def _run(self, batch: list[Flight], shared: SharedWrites | None, *, own: bool) -> Claimed:
+        started = self._loop.time()
         # A value whose row went to the writer once and whose lease was lost meanwhile
         # is not queued again: won again, it is written here.
         prepared = (
@@ -147,5 +155,5 @@ class ClaimStage:
                 busy.append(f)
         self._stats.redis += saved
         if own and shared is not None:
-            won = shared.add_own(won)  # those it cannot take now are written here
+            won = shared.add_own(won)  # those it cannot take (it stopped writing): here
         return Claimed(won, busy, [])

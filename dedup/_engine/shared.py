@@ -203,6 +203,9 @@ class SharedWrites:
         # The writer's own winners, for its next statement: they need not travel through
         # the queue, be checked, nor be answered over Redis (see :meth:`takes_own`).
         self._own: list[Flight] = []
+        self.own_claims = 0
+        """Claims out whose winners :meth:`add_own` is to take: the writer's pops wait for
+        them rather than on the queue, where their rows would never arrive."""
         self._lease_s = lease_s
         self._lease_ms = max(1, int(lease_s * 1000))
         self._writer_lease_s = max(1.0, lease_s)
@@ -285,23 +288,21 @@ class SharedWrites:
     # ------------------------------------------------------------- claimant side
 
     def takes_own(self) -> bool:
-        """Whether this gateway's winners should join its own next statement as the
-        fleet's writer (:meth:`add_own`) rather than the queue: while it writes for the
-        fleet and is not waiting on an empty queue (a blocking pop, which they would not
-        wake)."""
-        return (
-            self._draining
-            and not self._blocking
-            and not self._resign
-            and not self._stopping
-            and not self._abandoned
-        )
+        """Whether the winners of a claim sent now should join this gateway's own next
+        statement as the fleet's writer (:meth:`add_own`) rather than the queue: while it
+        writes for the fleet and is not waiting on an empty queue (a blocking pop, which
+        they would not wake). Until :meth:`add_own`, its pops do not wait on the queue."""
+        return self._writes_own() and not self._blocking
+
+    def _writes_own(self) -> bool:
+        return self._draining and not self._resign and not self._stopping and not self._abandoned
 
     def add_own(self, won: list[Flight]) -> list[Flight]:
-        """Take ``won``, winners of a claim sent while :meth:`takes_own`, into this
-        writer's next statement; returns those it cannot take (it stopped writing, or
-        waits on an empty queue, meanwhile): they are written here, per process."""
-        if not won or not self.takes_own():
+        """Take ``won``, the winners of a claim sent while :meth:`takes_own` (and which
+        counted itself in :attr:`own_claims` until now), into this writer's next
+        statement; returns those it cannot take (it stopped writing meanwhile): they are
+        written here, per process."""
+        if not won or not self._writes_own():
             return won
         self._own += won
         return []
@@ -808,6 +809,10 @@ class SharedWrites:
         busy = self._writing > 0
         rows, held = await self._take(self._batch_rows)
         try:
+            while not rows and not self._own and self.own_claims and not self._stopping:
+                # Own winners on their way: wait for them, not on the queue.
+                await asyncio.sleep(self._linger_s)
+                rows, held = await self._take(self._batch_rows)
             if not rows and not self._own:
                 self._blocking = True
                 try:
