@@ -1142,6 +1142,7 @@ async def test_a_writer_that_closes_gives_up_the_role_before_it_returns(
                 shared = _shared(w)
                 assert await client.exists(shared._writer_key)
                 await other.save_many([("email", f"before{i}") for i in range(50)])
+                nudges = _shared(other)._nudges  # w's arrival was one
             finally:
                 await w.aclose()
             # Its term ended with it, and the other gateway heard so: claimants waiting
@@ -1149,7 +1150,7 @@ async def test_a_writer_that_closes_gives_up_the_role_before_it_returns(
             # term's key expires a writer lease later.
             assert not await client.exists(shared._writer_key)
             assert not await client.exists(shared._term_key)
-            await until("the end of the term heard", lambda: _shared(other)._nudges > 0)
+            await until("the end of the term heard", lambda: _shared(other)._nudges > nudges)
             _shared(other)._rest_until = 0.0
             started = time.monotonic()
             await until("the other writes", partial(_is_writer, other))
@@ -1199,3 +1200,24 @@ async def test_the_writer_writes_its_own_winners_without_queuing_them(
     assert not ledger.errors
     missing = [k for k in rows if ledger.acks.get(k, []).count(True) != 1]
     assert not missing, f"{len(missing)} of {len(rows)} rows had no created=True: {missing[:5]}"
+
+
+async def test_a_gateway_that_joins_makes_the_others_count_the_fleet_at_once(
+    redis_url: str, pg_url: str
+) -> None:
+    """With ``shared_writes="auto"``, a gateway alone writes its own rows; when a second
+    gateway of the sink joins, its first heartbeat says so, and the first counts the
+    fleet again at once (not at its next beat, up to a second later) and shares its
+    writes from then on."""
+    options: dict[str, Any] = {"lease_ms": 800, "wait_timeout_s": WAIT_S}
+    async with Gateway(redis_url, pg_url, **options) as first:
+        await until("listening", lambda: _shared(first)._listening)
+        await asyncio.sleep(0.1)
+        assert not _shared(first).active  # a fleet of one
+        heard = _shared(first)._nudges
+        async with Gateway(redis_url, pg_url, **options) as second:
+            await until("the arrival heard", lambda: _shared(first)._nudges > heard)
+            await until("a fleet of two", lambda: _shared(first).active)
+            results = await first.save_many([("email", f"joined{i}") for i in range(20)])
+            assert all(r.created for r in results)
+            assert _shared(second).active

@@ -232,11 +232,13 @@ class SharedWrites:
         self.gateway_id = secrets.token_hex(8)
         self._channel = self._channels + self.gateway_id
         self._saved_channel = self._channels + SAVED
-        # Where a writer that stops says so (any message there is only a nudge: a forged
-        # one costs a renewal and a try for the writer lease, nothing else).
-        self._ended_channel = self._channels + "ended"
+        # Where a writer that stops, or a gateway that joins, says so: any message there
+        # is only a nudge (a forged one costs a beat, a renewal and a try for the writer
+        # lease, nothing else).
+        self._fleet_channel = self._channels + "fleet"
         self._renew_now = asyncio.Event()
         self._stand_now = asyncio.Event()
+        self._beat_now = asyncio.Event()
         self._nudges = 0
         self._nonces = itertools.count(1)
         self._pops = itertools.count(1)  # the writer's pop ids (with its term)
@@ -529,18 +531,21 @@ class SharedWrites:
 
     async def _listen(self) -> None:
         """Receive the writer's words on this gateway's channel; resubscribe after errors."""
-        channels = [self._channel, self._ended_channel]
+        channels = [self._channel, self._fleet_channel]
         if self._learn is not None:
             channels.append(self._saved_channel)
-        saved, ended = self._saved_channel.encode(), self._ended_channel.encode()
+        saved, fleet = self._saved_channel.encode(), self._fleet_channel.encode()
 
         def heard(channel: bytes, data: bytes) -> None:
             if channel == saved:
                 self._learn_saved(data)
-            elif channel == ended:
+            elif channel == fleet:
                 self._nudges += 1
-                self._renew_now.set()
-                self._stand_now.set()
+                if data == b"joined":  # count the fleet again
+                    self._beat_now.set()
+                else:  # a writer's term ended: take rows back, stand
+                    self._renew_now.set()
+                    self._stand_now.set()
             else:
                 self._answer(data)
 
@@ -631,7 +636,8 @@ class SharedWrites:
                 await self._take_back_soon(back)
 
     async def _beat(self) -> None:
-        """Count the live gateways of this sink, once a second."""
+        """Count the live gateways of this sink, once a second, and at once when one
+        joins."""
         while not self._stopping:
             if not self._usable():
                 await asyncio.sleep(_IDLE_S)
@@ -641,13 +647,13 @@ class SharedWrites:
                     self._client,
                     _HEARTBEAT,
                     [self._fleet_key],
-                    [self.gateway_id, self._heartbeat_ttl_ms],
+                    [self.gateway_id, self._heartbeat_ttl_ms, self._fleet_channel],
                 )
                 self._stats.redis_round_trips += trips
                 self._fleet = int(fleet)
             except (RedisError, OSError) as exc:
                 self._redis_failed(exc)
-            await asyncio.sleep(_HEARTBEAT_S)
+            await self._pause(self._beat_now, _HEARTBEAT_S)
 
     @staticmethod
     async def _pause(nudge: asyncio.Event, seconds: float) -> None:
@@ -741,7 +747,7 @@ class SharedWrites:
                                 self._client,
                                 _END_TERM,
                                 [self._term_key, self._last_pop_key],
-                                [self._term, self._ended_channel],
+                                [self._term, self._fleet_channel],
                             ),
                             1,
                         )

@@ -9,12 +9,18 @@ __all__ = ["END_TERM", "ENQUEUE", "HEARTBEAT", "LEAVE", "POP", "RENEW", "TAKE_BA
 
 HEARTBEAT = """
 -- KEYS[1]: the set of live gateways (score: expiry in ms of the server's clock)
--- ARGV[1]: this gateway's id; ARGV[2]: how long its heartbeat counts, in ms
+-- ARGV[1]: this gateway's id; ARGV[2]: how long its heartbeat counts, in ms;
+--   ARGV[3]: the channel every gateway of the sink hears
 -- Returns: how many gateways are alive, this one included
+-- A gateway new to the set says so: the others count again at once, rather than at
+-- their next beat, so that a fleet of one that gains a second gateway shares its
+-- writes from then on.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+if redis.call('ZADD', KEYS[1], now + ttl, ARGV[1]) == 1 then
+  redis.call('PUBLISH', ARGV[3], 'joined')
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('PEXPIRE', KEYS[1], ttl * 2)
 return redis.call('ZCARD', KEYS[1])
