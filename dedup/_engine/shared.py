@@ -33,6 +33,11 @@ Nothing is acknowledged before the row is committed, and no wait is unbounded:
   database never holds up the fleet;
 * answers name their claim (gateway and nonce), so a stale answer resolves nothing.
 
+The writer is a gateway too: while it writes for the fleet, the values its own claims win
+skip the queue and join its next statement. A writer that stops ends its term and says
+so, and a gateway that joins the heartbeat says so, on one channel every gateway of the
+sink hears, so that rows are taken back, writers stand and the fleet is counted at once.
+
 The mode: ``shared_writes="auto"`` (the default) writes across processes while
 more than one gateway of the same sink is alive (a heartbeat set in Redis), and
 per process otherwise, where the extra hop only costs; ``"on"`` and ``"off"`` force it.
@@ -92,8 +97,8 @@ _REST_LEASES = 3
 """Leases a writer that gave up the role waits before standing again."""
 _WARN_EVERY_S = 10.0
 _NUDGE_GAP_S = 0.02
-"""The least time between two renewals or two tries for the writer lease that the end of
-a writer's term brings forward."""
+"""The least time between two beats, renewals or tries for the writer lease that a word on
+the fleet's channel brings forward."""
 _ANSWER_GRACE_S = 0.25
 """How long a claimant that finds its queued row's lease gone waits for the writer's word
 before claiming the value afresh (the word is published before the lease goes)."""
