@@ -99,11 +99,8 @@ class ClaimStage:
         shared = owner if owner is not None and owner.active else None
         if shared is None or not shared.takes_own():
             return await self._run(batch, shared, own=False)
-        shared.own_claims += 1  # its pops wait for these winners, not on the queue
-        try:
+        with shared.own_claim():  # its pops wait for these winners, not on the queue
             return await self._run(batch, shared, own=True)
-        finally:
-            shared.own_claims -= 1
 
     async def _run(self, batch: list[Flight], shared: SharedWrites | None, *, own: bool) -> Claimed:
         started = self._loop.time()

@@ -51,7 +51,7 @@ import functools
 import itertools
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Container
+from collections.abc import Awaitable, Callable, Container, Iterator
 from typing import Any
 
 from redis.asyncio import Redis
@@ -208,9 +208,7 @@ class SharedWrites:
         # The writer's own winners, for its next statement: they need not travel through
         # the queue, be checked, nor be answered over Redis (see :meth:`takes_own`).
         self._own: list[Flight] = []
-        self.own_claims = 0
-        """Claims out whose winners :meth:`add_own` is to take: the writer's pops wait for
-        them rather than on the queue, where their rows would never arrive."""
+        self._own_claims = 0  # claims out whose winners join it (see own_claim)
         self._lease_s = lease_s
         self._lease_ms = max(1, int(lease_s * 1000))
         self._writer_lease_s = max(1.0, lease_s)
@@ -298,17 +296,27 @@ class SharedWrites:
         """Whether the winners of a claim sent now should join this gateway's own next
         statement as the fleet's writer (:meth:`add_own`) rather than the queue: while it
         writes for the fleet and is not waiting on an empty queue (a blocking pop, which
-        they would not wake). Until :meth:`add_own`, its pops do not wait on the queue."""
+        they would not wake). Send such a claim under :meth:`own_claim`."""
         return self._writes_own() and not self._blocking
 
     def _writes_own(self) -> bool:
         return self._draining and not self._resign and not self._stopping and not self._abandoned
 
+    @contextlib.contextmanager
+    def own_claim(self) -> Iterator[None]:
+        """Around a claim sent while :meth:`takes_own`, until its winners reach
+        :meth:`add_own`: meanwhile this writer's pops wait for them rather than on an
+        empty queue, where their rows would never arrive."""
+        self._own_claims += 1
+        try:
+            yield
+        finally:
+            self._own_claims -= 1
+
     def add_own(self, won: list[Flight]) -> list[Flight]:
-        """Take ``won``, the winners of a claim sent while :meth:`takes_own` (and which
-        counted itself in :attr:`own_claims` until now), into this writer's next
-        statement; returns those it cannot take (it stopped writing meanwhile): they are
-        written here, per process."""
+        """Take ``won``, the winners of a claim sent under :meth:`own_claim`, into this
+        writer's next statement; returns those it cannot take (it stopped writing
+        meanwhile): they are written here, per process."""
         if not won or not self._writes_own():
             return won
         self._own += won
@@ -662,8 +670,8 @@ class SharedWrites:
 
     @staticmethod
     async def _pause(nudge: asyncio.Event, seconds: float) -> None:
-        """Sleep ``seconds``, or until ``nudge`` is set (a writer's term ended), then a
-        moment more, so that a flood of such messages cannot make a loop spin."""
+        """Sleep ``seconds``, or until ``nudge`` is set (a word on the fleet's channel),
+        then a moment more, so that a flood of such words cannot make a loop spin."""
         try:
             await asyncio.wait_for(nudge.wait(), seconds)
         except TimeoutError:
@@ -820,7 +828,7 @@ class SharedWrites:
         busy = self._writing > 0
         rows, held = await self._take(self._batch_rows)
         try:
-            while not rows and not self._own and self.own_claims and not self._stopping:
+            while not rows and not self._own and self._own_claims and not self._stopping:
                 # Own winners on their way: wait for them, not on the queue.
                 await asyncio.sleep(self._linger_s)
                 rows, held = await self._take(self._batch_rows)
@@ -930,17 +938,19 @@ class SharedWrites:
         # others, and a second flight of a key the queue brought, are written here: the
         # write stage claims them again first).
         now, limit = self._loop.time(), self._lease_s - self._write_budget_s
-        mine = [
-            f for f in own if not f.done and now - f.claimed_at <= limit and f.key not in chosen
-        ]
+        mine: list[Flight] = []
+        here: list[Flight] = []
+        for f in own:
+            if not f.done:
+                fresh = now - f.claimed_at <= limit and f.key not in chosen
+                (mine if fresh else here).append(f)
         if self._resign or self._stopping:  # given up meanwhile: hand them back
             give_back += ((q.key, q.token) for q in chosen.values())
             for q in chosen.values():
                 word(q.gateway, "r", q.nonce, q.key)
-            chosen, mine = {}, []
-        if len(mine) != len(own):
-            here = {id(f) for f in mine}
-            self._write_here([f for f in own if not f.done and id(f) not in here])
+            chosen, mine, here = {}, [], here + mine
+        if here:
+            self._write_here(here)
         try:
             await self._write_statement(words, give_back, list(chosen.values()), mine)
         except BaseException:
