@@ -10,6 +10,11 @@ and prints requests/s, PostgreSQL's transactions per unique value (``pg_stat_dat
 around the run), the gateways' statements per unique value and their CPU per request.
 Each process waits for the fleet's heartbeat before the stream starts, so ``auto``
 already knows the fleet's size.
+
+``--race``: every process saves the whole stream, in the same order, so that each new
+value is raced by every process at once (the busy path: all but one of them find
+another's lease); requests/s count the saves of all processes, and the line adds the
+busy answers, the claim batches and the saves' mean and 99th-percentile latency.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import statistics
 import time
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
@@ -43,19 +49,27 @@ def _child(
     values: list[str],
     urls: tuple[str, str],
     options: dict[str, Any],
-    out: Queue[dict[str, float]],
+    out: Queue[dict[str, Any]],
     go: Event,
+    race: bool,
 ) -> None:
     async def main() -> None:
         async with Gateway(*urls, namespace="fleet", **options) as gw:
             await asyncio.sleep(2.5)  # two heartbeats: the fleet's size is known
             await asyncio.to_thread(go.wait)
-            mine = iter(values[index::n])
+            mine = iter(values if race else values[index::n])
             started, cpu = time.perf_counter(), time.process_time()
+            latencies: list[float] = []
+            created = 0
 
             async def caller() -> None:
+                nonlocal created
+                clock = time.perf_counter
                 for value in mine:
-                    await gw.save("z", value)
+                    t0 = clock()
+                    result = await gw.save("z", value)  # before the +=, which reads first
+                    created += result.created
+                    latencies.append(clock() - t0)
 
             await asyncio.gather(*(caller() for _ in range(max(1, CALLERS // n))))
             elapsed = time.perf_counter() - started
@@ -66,6 +80,10 @@ def _child(
                 "cpu": time.process_time() - cpu,
                 "statements": stats.db_statements,
                 "degraded": stats.degraded_answers,
+                "busy": stats.busy,
+                "claims": stats.claim_batches,
+                "created": created,
+                "latencies": latencies,
             }
         )
 
@@ -101,6 +119,7 @@ def main() -> None:
     parser.add_argument("--processes", default="4,8,16")
     parser.add_argument("--modes", default="auto,off")
     parser.add_argument("--layout", default="compact")
+    parser.add_argument("--race", action="store_true", help="every process saves every value")
     args = parser.parse_args()
     ranks = make_stream(args.requests, 1_000_000, 1.1, 1)
     values = [f"v{r}" for r in ranks]
@@ -113,11 +132,13 @@ def main() -> None:
             for mode in args.modes.split(","):
                 options = {"shared_writes": mode, "marker_layout": args.layout}
                 asyncio.run(_reset(redis_server.url, pg_url))
-                out: Queue[dict[str, float]] = ctx.Queue()
+                out: Queue[dict[str, Any]] = ctx.Queue()
                 go = ctx.Event()
                 urls = (redis_server.url, pg_url)
                 procs = [
-                    ctx.Process(target=_child, args=(i, n, values, urls, options, out, go))
+                    ctx.Process(
+                        target=_child, args=(i, n, values, urls, options, out, go, args.race)
+                    )
                     for i in range(n)
                 ]
                 for proc in procs:
@@ -133,12 +154,22 @@ def main() -> None:
                 statements = sum(r["statements"] for r in results)
                 cpu = sum(r["cpu"] for r in results)
                 degraded = sum(r["degraded"] for r in results)
-                print(
-                    f"processes={n:2d} shared_writes={mode:4s} req/s={args.requests / wall:9,.0f} "
+                requests = args.requests * (n if args.race else 1)
+                line = (
+                    f"processes={n:2d} shared_writes={mode:4s} req/s={requests / wall:9,.0f} "
                     f"xact/uniq={xacts / unique:.4f} stmt/uniq={statements / unique:.4f} "
-                    f"cpu_us/req={cpu / args.requests * 1e6:.1f} degraded_answers={degraded:.0f}",
-                    flush=True,
+                    f"cpu_us/req={cpu / requests * 1e6:.1f} degraded_answers={degraded:.0f}"
                 )
+                if args.race:
+                    lat = sorted(x for r in results for x in r["latencies"])
+                    line += (
+                        f" created={sum(r['created'] for r in results)}/{unique}"
+                        f" busy={sum(r['busy'] for r in results)}"
+                        f" claims={sum(r['claims'] for r in results)}"
+                        f" mean_ms={statistics.fmean(lat) * 1000:.2f}"
+                        f" p99_ms={lat[int(len(lat) * 0.99)] * 1000:.2f}"
+                    )
+                print(line, flush=True)
 
 
 if __name__ == "__main__":
