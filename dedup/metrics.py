@@ -34,8 +34,9 @@ class Stats:
     time, or the writer answered "write it yourself"), ``shared_queue_full`` (rows it
     wrote itself because the queue was at ``shared_queue_max``), ``shared_bad_messages``
     (queued rows, answers and saved-values messages it skipped as malformed, forged or
-    meant for another sink) and ``shared_learned`` (values its local tier learned from
-    the fleet's writer).
+    meant for another sink), ``shared_learned`` (values its local tier learned from
+    the fleet's writer) and ``shared_busy_answered`` (busy values that the writer's
+    saved-values broadcast answered before their next claim; also counted in ``redis``).
     """
 
     local: int = 0
@@ -64,6 +65,7 @@ class Stats:
     shared_queue_full: int = 0
     shared_bad_messages: int = 0
     shared_learned: int = 0
+    shared_busy_answered: int = 0
 
     @property
     def answers(self) -> int:

@@ -1096,6 +1096,45 @@ async def test_learning_can_be_turned_off_and_forged_broadcasts_teach_nothing(
         assert r.created and r.source == "write"  # not answered "saved" by the forgery
 
 
+async def test_a_busy_value_is_answered_by_the_writers_broadcast(
+    redis_url: str, pg_url: str
+) -> None:
+    """A value that another gateway holds (busy) is answered when the fleet's writer
+    broadcasts its row as saved, not at its next claim: here that claim would come only
+    after a minute's backoff, and the answer comes within seconds, with no claim since
+    the one that found it busy."""
+    options: dict[str, Any] = {**SHARED, "lease_ms": 3000}
+    slow = _slow_sink(pg_url, 0.3)  # the writer's statements: slow enough to be caught
+    try:
+        async with Gateway(redis_url, pg_url, **options) as claimant:
+            _shared(claimant)._rest_until = float("inf")  # it never stands
+            writer = Gateway(redis_url, sink=slow, **options)
+            await writer.open()
+            try:
+                await until("a writer", partial(_is_writer, writer))
+                await until("both listening", lambda: _shared(claimant).active)
+                saving = asyncio.ensure_future(writer.save("email", "busy@example.com"))
+                await until("the writer's statement in flight", lambda: _shared(writer)._writing)
+                waits = claimant._engine.waits  # type: ignore[union-attr]
+                waits._min_backoff_s = waits._max_backoff_s = 60.0
+                claims = claimant.stats().claim_batches
+                started = time.monotonic()
+                answer = await asyncio.wait_for(claimant.save("email", "busy@example.com"), 10)
+                waited = time.monotonic() - started
+                mine = await saving
+            finally:
+                await writer.aclose()
+            stats = claimant.stats()
+    finally:
+        await slow.aclose()
+    assert mine == SaveResult(created=True, source="write")
+    assert answer == SaveResult(created=False, source="redis")
+    assert stats.busy == 1 and stats.shared_busy_answered == 1
+    assert stats.claim_batches == claims + 1  # the claim that found it busy, no other
+    assert waited < 10
+    assert len(await table(pg_url)) == 1
+
+
 def test_the_writer_checks_every_row_whatever_it_checked_before() -> None:
     """The writer remembers the gateway ids and kinds it found good (a fleet has few), to
     check popped rows faster: a row with a bad kind or gateway is still refused after

@@ -527,7 +527,8 @@ class SharedWrites:
 
     def _learn_saved(self, message: bytes) -> None:
         """The values some writer of this sink saved: the local tier learns them, so that
-        this process answers them without a claim from now on."""
+        this process answers them without a claim from now on, and those of them that
+        wait for another claimant's lease (busy) are answered now."""
         local = self._learn
         if local is None:
             return
@@ -537,10 +538,15 @@ class SharedWrites:
             self._bad(str(exc))
             return
         learned = 0
+        stats, resolve, saved = self._stats, self._flights.resolve, self._waits.saved
         for kind, digests in groups:
             local.add_many(kind, digests)
             learned += len(digests)
-        self._stats.shared_learned += learned
+            for f in saved(kind, digests):
+                stats.redis += 1
+                stats.shared_busy_answered += 1
+                resolve(f, "redis")
+        stats.shared_learned += learned
 
     async def _listen(self) -> None:
         """Receive the writer's words on this gateway's channel; resubscribe after errors."""

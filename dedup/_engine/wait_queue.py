@@ -4,7 +4,9 @@ A busy value is claimed again later, with jittered exponential backoff, until it
 is saved, its lease expires (then this process takes it over) or its deadline
 (``wait_timeout_s``) passes. Waiters are kept in one heap and woken on a shared
 5 ms tick, so that they re-claim together in one batch rather than with one timer
-and one tiny claim call each.
+and one tiny claim call each. With shared writes, the fleet's saved-values broadcast
+answers a busy value as soon as its row is committed (:meth:`WaitQueue.saved`),
+rather than at its next claim.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ class WaitQueue:
     ``requeue`` receives the woken flights (the claim queue), as one list per tick.
     """
 
-    __slots__ = ("_flights", "_heap", "_loop", "_max_backoff_s", "_min_backoff_s", "_purge_at",
-                 "_rand", "_requeue", "_seq", "_stats", "_timer", "_wait_timeout_s")  # fmt: skip
+    __slots__ = ("_busy", "_flights", "_heap", "_loop", "_max_backoff_s", "_min_backoff_s",
+                 "_purge_at", "_rand", "_requeue", "_seq", "_stats", "_timer",
+                 "_wait_timeout_s")  # fmt: skip
 
     def __init__(
         self,
@@ -55,6 +58,8 @@ class WaitQueue:
         self._requeue = requeue
         self._rand = rand
         self._heap: list[tuple[float, int, Flight]] = []
+        # The busy values among them, by (kind, digest), for :meth:`saved`.
+        self._busy: dict[tuple[str, bytes], Flight] = {}
         self._seq = 0
         self._timer: asyncio.TimerHandle | None = None
         self._purge_at = _PURGE_MIN
@@ -75,7 +80,24 @@ class WaitQueue:
         due = now + f.backoff * (0.5 + self._rand())
         # Round up to a shared tick so that waiters wake (and re-claim) together.
         due = min(math.ceil(due / WAKE_TICK_S) * WAKE_TICK_S, f.deadline)
+        if not f.shared:  # never a value whose row this process queued (see saved)
+            self._busy[(f.kind, f.digest)] = f
         self.recheck_at(f, due)
+
+    def saved(self, kind: str, digests: list[bytes]) -> list[Flight]:
+        """The busy values among ``digests`` (of ``kind``), taken out of the wait: their
+        rows are committed (the fleet's writer said so), so they are answered now rather
+        than claimed again. A value whose row this process once queued for the writer is
+        never among them: the writer's word to this process answers it."""
+        busy = self._busy
+        if not busy:
+            return []
+        found: list[Flight] = []
+        for digest in digests:
+            f = busy.pop((kind, digest), None)
+            if f is not None and not f.done:
+                found.append(f)
+        return found
 
     def recheck_at(self, f: Flight, due: float) -> None:
         """Claim ``f`` again at ``due`` unless it is answered before (a busy value, or a
@@ -99,16 +121,19 @@ class WaitQueue:
         heap = [entry for entry in self._heap if not entry[2].done]
         heapq.heapify(heap)
         self._heap = heap
+        self._busy = {k: f for k, f in self._busy.items() if not f.done}
         self._purge_at = max(_PURGE_MIN, 2 * len(heap))
 
     def _wake(self) -> None:
         """Hand every waiter that is due back to the claims, as one batch."""
         self._timer = None
         now = self._loop.time()
-        heap = self._heap
+        heap, busy = self._heap, self._busy
         due: list[Flight] = []
         while heap and heap[0][0] <= now:
             f = heapq.heappop(heap)[2]
+            if busy and busy.get((f.kind, f.digest)) is f:
+                del busy[(f.kind, f.digest)]
             if not f.done:  # answered meanwhile (by the shared writer's word)
                 due.append(f)
         self._requeue(due)
@@ -122,4 +147,5 @@ class WaitQueue:
             self._timer = None
         taken = [f for _, _, f in self._heap]
         self._heap.clear()
+        self._busy.clear()
         return taken
