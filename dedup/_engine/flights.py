@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dedup._engine.local import SavedCache
 from dedup.errors import Overloaded
 from dedup.metrics import Stats
-from dedup.types import Source
+from dedup.types import Row, Source
 
 __all__ = ["ErrorFactory", "Flight", "FlightTable"]
 
@@ -54,6 +54,10 @@ class Flight:
         self.backoff = 0.0
         self.queued_until = 0.0  # degraded mode: Overloaded if not written by then
         self.shared = False  # its row went to the fleet's writer once (dedup._engine.shared)
+
+    def row(self) -> Row:
+        """The row whose insert saves this value."""
+        return Row(self.kind, self.digest, self.value, self.payload_json)
 
 
 class FlightTable:

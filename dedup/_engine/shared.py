@@ -983,7 +983,7 @@ class SharedWrites:
             await self._publish(words)
             return
         rows = [q.row for q in entries]
-        rows += (Row(f.kind, f.digest, f.value, f.payload_json) for f in mine)
+        rows += (f.row() for f in mine)
         rows.sort(key=_row_order)  # unsorted concurrent multi-row upserts deadlock
         stats = self._stats
         stats.db_statements += 1

@@ -87,7 +87,7 @@ class RowWriter:
         this statement inserted, "db" for those already there) and returns None, or
         returns what went wrong and leaves the callers to be failed."""
         batch.sort(key=_row_order)  # unsorted concurrent multi-row upserts deadlock
-        rows = [Row(f.kind, f.digest, f.value, f.payload_json) for f in batch]
+        rows = [f.row() for f in batch]
         stats = self._stats
         stats.db_statements += 1
         stats.db_rows_sent += len(rows)
