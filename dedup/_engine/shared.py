@@ -73,7 +73,7 @@ from dedup._engine.shared_scripts import (
 )
 from dedup._engine.shared_wire import SAVED, BadMessage, QueuedRow, Wire
 from dedup._engine.wait_queue import WaitQueue
-from dedup._engine.write_stage import write_rows
+from dedup._engine.write_stage import row_order, write_rows
 from dedup._redis.mux import Mux
 from dedup._redis.script import Script, ScriptCall, run_script, run_together
 from dedup.lock import Lock
@@ -984,7 +984,7 @@ class SharedWrites:
             return
         rows = [q.row for q in entries]
         rows += (f.row() for f in mine)
-        rows.sort(key=_row_order)  # unsorted concurrent multi-row upserts deadlock
+        rows.sort(key=row_order)  # unsorted concurrent multi-row upserts deadlock
         stats = self._stats
         stats.db_statements += 1
         stats.db_rows_sent += len(rows)
@@ -1070,7 +1070,3 @@ class SharedWrites:
 
 def _word(words: _Words, gateway: str, letter: str, nonce: int, key: bytes) -> None:
     words.setdefault(gateway, {}).setdefault(letter, []).extend((key.hex(), nonce))
-
-
-def _row_order(row: Row) -> tuple[str, bytes]:
-    return (row.kind, row.digest)

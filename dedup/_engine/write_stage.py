@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -25,9 +26,13 @@ from dedup.errors import Unavailable, WaitTimeout
 from dedup.metrics import Stats
 from dedup.types import BatchWriter, Row
 
-__all__ = ["RowWriter", "WriteStage", "write_rows"]
+__all__ = ["RowWriter", "WriteStage", "row_order", "write_rows"]
 
 log = logging.getLogger("dedup")
+
+row_order = operator.attrgetter("kind", "digest")
+"""The order of a statement's rows (or of the flights they come from): by their unique
+key, since unsorted concurrent multi-row upserts deadlock."""
 
 
 async def write_rows(
@@ -86,7 +91,7 @@ class RowWriter:
         """One key-sorted INSERT of ``batch``; answers its callers ("write" for the rows
         this statement inserted, "db" for those already there) and returns None, or
         returns what went wrong and leaves the callers to be failed."""
-        batch.sort(key=_row_order)  # unsorted concurrent multi-row upserts deadlock
+        batch.sort(key=row_order)  # unsorted concurrent multi-row upserts deadlock
         rows = [f.row() for f in batch]
         stats = self._stats
         stats.db_statements += 1
@@ -212,7 +217,3 @@ class WriteStage:
             self._stats.redis_errors += 1
             self._degraded.redis_failed(exc)
             log.warning("could not release %d leases (they expire anyway): %s", len(keys), exc)
-
-
-def _row_order(f: Flight) -> tuple[str, bytes]:
-    return (f.kind, f.digest)
