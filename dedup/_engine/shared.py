@@ -205,6 +205,9 @@ class SharedWrites:
         self._popping = False
         self._blocking = False  # the writer waits on an empty queue (a blocking pop)
         self._draining = False  # the writer pops and writes (its lease held)
+        # From taking the writer lease until its term has ended: stop() waits for it, so
+        # that the engine's cancelling its tasks never cuts the term's end short.
+        self._in_term = False
         # The writer's own winners, for its next statement: they need not travel through
         # the queue, be checked, nor be answered over Redis (see :meth:`takes_own`).
         self._own: list[Flight] = []
@@ -284,8 +287,12 @@ class SharedWrites:
         self._stopping = True
         if self._mode == "off":
             return
-        deadline = self._loop.time() + self._write_timeout_s + 1
-        while (self._writing or self._popping) and self._loop.time() < deadline:  # noqa: ASYNC110
+        # The statements' bound, then a second each for giving up the writer lease and
+        # ending the term.
+        deadline = self._loop.time() + self._write_timeout_s + 3
+        while (  # noqa: ASYNC110
+            self._writing or self._popping or self._in_term
+        ) and self._loop.time() < deadline:
             await asyncio.sleep(0.005)
         with contextlib.suppress(RedisError, OSError, TimeoutError):  # it expires anyway
             await asyncio.wait_for(_LEAVE(self._client, [self._fleet_key], [self.gateway_id]), 1)
@@ -727,7 +734,7 @@ class SharedWrites:
                 self._redis_failed(exc)
                 await asyncio.sleep(self._lease_s / 3)
                 continue
-            self.writer = True
+            self.writer = self._in_term = True
             # A term of its own each time: claimants whose rows an earlier term may have
             # popped (and lost) take them back when the term changes.
             self._term = f"{self.gateway_id}:{lease.fence}".encode()
@@ -772,6 +779,7 @@ class SharedWrites:
                         )
                     except Exception:  # they expire on their own
                         log.debug("could not end the writer's term", exc_info=True)
+                self._in_term = False
 
     async def _drain(self, lease: Lock) -> None:
         """Pop and write while the lease is held; a fleet of one drains what is left."""
