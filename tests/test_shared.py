@@ -520,6 +520,25 @@ def _slow_sink(pg_url: str, sleep_s: float) -> Any:
     return write
 
 
+@contextlib.asynccontextmanager
+async def _slow_writer(
+    redis_url: str, pg_url: str, sleep_s: float, options: dict[str, Any]
+) -> AsyncIterator[Gateway]:
+    """A gateway whose statements first sleep ``sleep_s`` (:func:`_slow_sink`), yielded
+    once it holds the writer lease; closed, then its sink, on exit."""
+    slow = _slow_sink(pg_url, sleep_s)
+    try:
+        writer = Gateway(redis_url, sink=slow, **options)
+        await writer.open()
+        try:
+            await until("a writer", partial(_is_writer, writer))
+            yield writer
+        finally:
+            await writer.aclose()
+    finally:
+        await slow.aclose()
+
+
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["unsigned", "signed"])
 async def test_malformed_and_forged_rows_are_skipped(
     redis_url: str, pg_url: str, secret: str | None, capsys: pytest.CaptureFixture[str]
@@ -1108,29 +1127,21 @@ async def test_a_busy_value_is_answered_by_the_writers_broadcast(
     after a minute's backoff, and the answer comes within seconds, with no claim since
     the one that found it busy."""
     options: dict[str, Any] = {**SHARED, "lease_ms": 3000}
-    slow = _slow_sink(pg_url, 0.3)  # the writer's statements: slow enough to be caught
-    try:
-        async with Gateway(redis_url, pg_url, **options) as claimant:
-            _shared(claimant)._rest_until = float("inf")  # it never stands
-            writer = Gateway(redis_url, sink=slow, **options)
-            await writer.open()
-            try:
-                await until("a writer", partial(_is_writer, writer))
-                await until("both listening", lambda: _shared(claimant).active)
-                saving = asyncio.ensure_future(writer.save("email", "busy@example.com"))
-                await until("the writer's statement in flight", lambda: _shared(writer)._writing)
-                waits = claimant._engine.waits  # type: ignore[union-attr]
-                waits._min_backoff_s = waits._max_backoff_s = 60.0
-                claims = claimant.stats().claim_batches
-                started = time.monotonic()
-                answer = await asyncio.wait_for(claimant.save("email", "busy@example.com"), 10)
-                waited = time.monotonic() - started
-                mine = await saving
-            finally:
-                await writer.aclose()
-            stats = claimant.stats()
-    finally:
-        await slow.aclose()
+    async with Gateway(redis_url, pg_url, **options) as claimant:
+        _shared(claimant)._rest_until = float("inf")  # it never stands
+        # The writer's statements: slow enough to be caught.
+        async with _slow_writer(redis_url, pg_url, 0.3, options) as writer:
+            await until("both listening", lambda: _shared(claimant).active)
+            saving = asyncio.ensure_future(writer.save("email", "busy@example.com"))
+            await until("the writer's statement in flight", lambda: _shared(writer)._writing)
+            waits = claimant._engine.waits  # type: ignore[union-attr]
+            waits._min_backoff_s = waits._max_backoff_s = 60.0
+            claims = claimant.stats().claim_batches
+            started = time.monotonic()
+            answer = await asyncio.wait_for(claimant.save("email", "busy@example.com"), 10)
+            waited = time.monotonic() - started
+            mine = await saving
+        stats = claimant.stats()
     assert mine == SaveResult(created=True, source="write")
     assert answer == SaveResult(created=False, source="redis")
     assert stats.busy == 1 and stats.shared_busy_answered == 1
@@ -1213,27 +1224,20 @@ async def test_the_writer_writes_its_own_winners_without_queuing_them(
     slow (so that it is busy), and every value still has exactly one ``created=True``,
     while the writer writes and once it has left."""
     ledger = Ledger()
-    slow = _slow_sink(pg_url, 0.05)
-    try:
-        async with Gateway(redis_url, pg_url, **SHARED) as claimant:
-            _shared(claimant)._rest_until = float("inf")  # it never stands
-            writer = Gateway(redis_url, sink=slow, **SHARED)
-            await writer.open()
-            try:
-                await until("a writer", partial(_is_writer, writer))
-                async with loaded([writer, claimant], ledger, both=True) as load:
-                    await load.grows_by(1500, "saves while the writer writes")
-                    await until(
-                        "own rows in the writer's statements",
-                        lambda: writer.stats().shared_rows_own > 0,
-                    )
-            finally:
-                await writer.aclose()
-            async with loaded([claimant], ledger, both=True) as load:
-                await load.grows_by(300, "saves after the writer left")
-            stats = [writer.stats(), claimant.stats()]
-    finally:
-        await slow.aclose()
+    async with Gateway(redis_url, pg_url, **SHARED) as claimant:
+        _shared(claimant)._rest_until = float("inf")  # it never stands
+        async with (
+            _slow_writer(redis_url, pg_url, 0.05, SHARED) as writer,
+            loaded([writer, claimant], ledger, both=True) as load,
+        ):
+            await load.grows_by(1500, "saves while the writer writes")
+            await until(
+                "own rows in the writer's statements",
+                lambda: writer.stats().shared_rows_own > 0,
+            )
+        async with loaded([claimant], ledger, both=True) as load:
+            await load.grows_by(300, "saves after the writer left")
+        stats = [writer.stats(), claimant.stats()]
     rows = await check_contract(
         capsys, "the writer's own winners", pg_url, ledger,
         own=stats[0].shared_rows_own, writer_queued=stats[0].shared_rows_queued,
