@@ -35,7 +35,8 @@ class Stats:
     wrote itself because the queue was at ``shared_queue_max``), ``shared_bad_messages``
     (queued rows, answers and saved-values messages it skipped as malformed, forged or
     meant for another sink), ``shared_learned`` (values its local tier learned from
-    the fleet's writer) and ``shared_busy_answered`` (busy values that the writer's
+    the fleet's saved-values broadcast: the writer's statements, and batches gateways
+    wrote themselves) and ``shared_busy_answered`` (busy values that the
     saved-values broadcast answered before their next claim; also counted in ``redis``).
     """
 

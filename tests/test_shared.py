@@ -1078,6 +1078,30 @@ async def test_every_gateway_learns_what_the_writer_saved(
     assert len(await table(pg_url)) == len(values)  # learned only what has a row
 
 
+async def test_every_gateway_learns_what_a_claimant_wrote_itself(
+    redis_url: str, pg_url: str
+) -> None:
+    """Rows a gateway of the fleet writes itself, not through the writer (here, too near
+    their callers' deadline to queue), are announced too: another gateway answers them
+    from its local tier, with no Redis call."""
+    near_options: dict[str, Any] = {**SHARED, "wait_timeout_s": 0.5}  # see the test above
+    values = [("email", f"self-written{i}") for i in range(50)]
+    async with Gateway(redis_url, pg_url, **SHARED) as learner:
+        await until("a writer", partial(_is_writer, learner))
+        async with Gateway(redis_url, pg_url, **near_options) as near:
+            await until("listening", lambda: _shared(near).active)
+            assert all(r.created for r in await near.save_many(values))
+            wrote = near.stats()
+        assert wrote.shared_rows_queued == 0 and wrote.shared_rows_own == 0
+        await until("learned", lambda: learner.stats().shared_learned >= len(values))
+        before = learner.stats()
+        results = await learner.save_many(values)
+        after = learner.stats()
+    assert [r.source for r in results] == ["local"] * len(values)
+    assert after.redis_round_trips == before.redis_round_trips
+    assert len(await table(pg_url)) == len(values)
+
+
 async def test_learning_can_be_turned_off_and_forged_broadcasts_teach_nothing(
     redis_url: str, pg_url: str
 ) -> None:

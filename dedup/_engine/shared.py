@@ -533,7 +533,7 @@ class SharedWrites:
             self._spawn(self._take_back_soon(back))
 
     def _learn_saved(self, message: bytes) -> None:
-        """The values some writer of this sink saved: the local tier learns them, so that
+        """The values some gateway of this sink saved: the local tier learns them, so that
         this process answers them without a claim from now on, and those of them that
         wait for another claimant's lease (busy) are answered now."""
         local = self._learn
@@ -1062,6 +1062,16 @@ class SharedWrites:
             return
         _, trips = await run_together(self._client, [], commands)
         self._stats.redis_round_trips += trips
+
+    def announce(self, written: list[Flight]) -> list[tuple[str, str, bytes]]:
+        """The ``PUBLISH`` of ``written``'s values on the sink's saved-values channel, for
+        the other gateways' local tiers (and their saves of them that find them busy),
+        as the writer publishes its statements': rows this gateway's own write stage
+        committed while it shares writes (its claimant writes, told ``r`` or too near
+        its deadline to queue). None outside a fleet: no one would hear it."""
+        if not written or not self.active:
+            return []
+        return [("PUBLISH", self._saved_channel, self._wire.saved([f.row() for f in written]))]
 
     def _publishes(
         self, words: _Words, saved: list[Row] | None = None

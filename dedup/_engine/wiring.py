@@ -131,6 +131,7 @@ class Engine:
             claims=self.claim_queue,
             writes=self.write_queue,
         )
+        self.shared = self._shared_writes(loop, options, backends, local, stats)
         self.write_stage = WriteStage(
             loop,
             claims=backends.claims,
@@ -140,8 +141,9 @@ class Engine:
             degraded=self.degraded,
             lease_s=options.lease_s,
             write_budget_s=options.write_budget_s,
+            # In a fleet, what this gateway writes itself is announced as the writer's is.
+            announce=None if self.shared is None else self.shared.announce,
         )
-        self.shared = self._shared_writes(loop, options, backends, local, stats)
         self.claim_stage = ClaimStage(
             loop,
             claims=backends.claims,

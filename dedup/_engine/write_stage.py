@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -136,8 +137,8 @@ class WriteStage:
     statement: they are for the caller to claim again (renewing the lease).
     """
 
-    __slots__ = ("_claims", "_degraded", "_flights", "_loop", "_renew_after_s", "_rows",
-                 "_stats")  # fmt: skip
+    __slots__ = ("_announce", "_claims", "_degraded", "_flights", "_loop", "_renew_after_s",
+                 "_rows", "_stats")  # fmt: skip
 
     def __init__(
         self,
@@ -150,6 +151,7 @@ class WriteStage:
         degraded: DegradedMode,
         lease_s: float,
         write_budget_s: float,
+        announce: Callable[[list[Flight]], Sequence[Sequence[Any]]] | None = None,
     ) -> None:
         self._loop = loop
         self._claims = claims
@@ -159,6 +161,9 @@ class WriteStage:
         self._degraded = degraded
         # A winner writes only if the statement can finish inside its lease with a margin.
         self._renew_after_s = lease_s - write_budget_s
+        # Commands to send with a batch's commit, in its round trip: the fleet's
+        # saved-values message, for the other gateways' local tiers (none outside one).
+        self._announce = announce
 
     def split(self, batch: list[Flight]) -> tuple[list[Flight], list[Flight]]:
         """The winners of ``batch`` with lease enough left for a statement, and those
@@ -175,7 +180,7 @@ class WriteStage:
 
     async def run(self, batch: list[Flight]) -> None:
         """Write one batch of winners (from :meth:`split`), answer their callers, then
-        commit their leases."""
+        commit their leases (and, in a fleet, announce their values as saved)."""
         keys = [f.key for f in batch]
         failure = await self._rows.insert(batch)
         if failure is not None:
@@ -187,7 +192,11 @@ class WriteStage:
         if self._degraded.active:
             return  # Redis is skipped: the leases expire, the markers are not set
         try:
-            held = await self._claims.commit(keys)
+            announce = () if self._announce is None else self._announce(batch)
+            if announce:
+                _, held = await self._claims.commit_after(announce, keys)
+            else:
+                held = await self._claims.commit(keys)
             self._stats.lost_leases += len(keys) - held
         except (RedisError, OSError) as exc:
             # The rows are committed and the callers answered; a missing marker

@@ -70,7 +70,7 @@ _STAT_HELP = {
     "shared_rows_returned": "Queued rows this gateway took back and wrote itself.",
     "shared_queue_full": "Rows written here because the shared queue was at shared_queue_max.",
     "shared_bad_messages": "Shared-writes rows and answers skipped as malformed or forged.",
-    "shared_learned": "Values the local tier learned from the fleet's shared writer.",
+    "shared_learned": "Values the local tier learned from the fleet's saved-values broadcast.",
     "shared_busy_answered": "Busy values answered by the shared writer's saved-values broadcast.",
 }
 
