@@ -722,46 +722,43 @@ async def test_malformed_stale_and_forged_answers_resolve_nothing(
     secret) not signed with it resolve nothing and leave the listener working: the claim
     gets its writer's real answer."""
     options: dict[str, Any] = {**SHARED, "lease_ms": 4000, "shared_secret": secret}
-    slow = _slow_sink(pg_url, 1.0)
     client = Redis.from_url(redis_url)
     try:
-        async with Gateway(redis_url, sink=slow, **options) as writer:
-            await until("a writer", lambda: _shared(writer).writer)
-            async with Gateway(redis_url, pg_url, **options) as claimant:
-                shared = _shared(claimant)
-                await until("listening", lambda: shared.active)
-                task = asyncio.create_task(claimant.save("email", "pending@example.com"))
-                await until("the row to be queued", lambda: bool(shared._pending))
-                key, entry = next(iter(shared._pending.items()))
-                nonce = entry.nonce
-                gw, wire = shared.gateway_id, shared._wire
-                forger = Wire(sink=wire.sink, secret=b"another-secret-of-enough-length",
-                              keys=KeySpace("dedup"), limits=Limits(max_value_bytes=100,
-                              max_payload_bytes=100))  # fmt: skip
-                lies = [
-                    b"garbage",
-                    b"|[1, 2, 3]",
-                    wire.answer(gw, {"i": [key.hex(), nonce + 1]}),  # stale: another claim
-                    wire.answer("0" * 16, {"i": [key.hex(), nonce]}),  # another gateway's
-                    wire.answer(gw, {"i": ["zz", nonce]}),
-                ]
-                if secret:  # the right claim, but not signed with the fleet's secret
-                    lies.append(forger.answer(gw, {"i": [key.hex(), nonce]}))
-                    lies.append(
-                        b"|" + wire.answer(gw, {"i": [key.hex(), nonce]}).partition(b"|")[2]
-                    )
-                for lie in lies:
-                    await client.publish(shared._channel, lie)
-                await asyncio.sleep(0.3)
-                assert not task.done(), "a lie resolved the save"
-                assert (await asyncio.wait_for(task, WAIT_S)) == SaveResult(True, "write")
-                assert claimant.stats().shared_bad_messages >= len(lies) - 2
-                # The listener survived: the next save is answered through it too.
-                assert (await claimant.save("email", "after@example.com")).created
-                assert claimant.stats().shared_rows_queued == 2
+        async with (
+            _slow_writer(redis_url, pg_url, 1.0, options),
+            Gateway(redis_url, pg_url, **options) as claimant,
+        ):
+            shared = _shared(claimant)
+            await until("listening", lambda: shared.active)
+            task = asyncio.create_task(claimant.save("email", "pending@example.com"))
+            await until("the row to be queued", lambda: bool(shared._pending))
+            key, entry = next(iter(shared._pending.items()))
+            nonce = entry.nonce
+            gw, wire = shared.gateway_id, shared._wire
+            forger = Wire(sink=wire.sink, secret=b"another-secret-of-enough-length",
+                          keys=KeySpace("dedup"), limits=Limits(max_value_bytes=100,
+                          max_payload_bytes=100))  # fmt: skip
+            lies = [
+                b"garbage",
+                b"|[1, 2, 3]",
+                wire.answer(gw, {"i": [key.hex(), nonce + 1]}),  # stale: another claim
+                wire.answer("0" * 16, {"i": [key.hex(), nonce]}),  # another gateway's
+                wire.answer(gw, {"i": ["zz", nonce]}),
+            ]
+            if secret:  # the right claim, but not signed with the fleet's secret
+                lies.append(forger.answer(gw, {"i": [key.hex(), nonce]}))
+                lies.append(b"|" + wire.answer(gw, {"i": [key.hex(), nonce]}).partition(b"|")[2])
+            for lie in lies:
+                await client.publish(shared._channel, lie)
+            await asyncio.sleep(0.3)
+            assert not task.done(), "a lie resolved the save"
+            assert (await asyncio.wait_for(task, WAIT_S)) == SaveResult(True, "write")
+            assert claimant.stats().shared_bad_messages >= len(lies) - 2
+            # The listener survived: the next save is answered through it too.
+            assert (await claimant.save("email", "after@example.com")).created
+            assert claimant.stats().shared_rows_queued == 2
     finally:
         await client.aclose()
-        await slow.aclose()
     assert ("email", "pending@example.com") in await table(pg_url)
 
 
@@ -780,47 +777,43 @@ async def test_hot_key_queued_behind_a_slow_writer_keeps_its_lease(
     # many), after which the claimant rightly took its row back at once.
     lease_s = 2.0
     options: dict[str, Any] = {**SHARED, "lease_ms": 2000, "wait_timeout_s": 4 * lease_s}
-    slow = _slow_sink(pg_url, 0.3)  # inside the 1 s statement bound: alive, slow
     ledger = Ledger()
-    try:
-        async with Gateway(redis_url, sink=slow, max_batch=8, **options) as writer:
-            await until("a writer", lambda: _shared(writer).writer)
-            async with (
-                Gateway(redis_url, pg_url, **options) as a,
-                Gateway(redis_url, pg_url, **options) as b,
-            ):
-                await until("listening", lambda: _shared(a).active and _shared(b).active)
-                backlog = [("email", f"backlog{i}") for i in range(400)]  # ~15 s of statements
-                first = asyncio.create_task(a.save_many(backlog))
-                await until("a backlog", lambda: a.stats().shared_rows_queued >= 400)
-                hot = ("email", "hot@example.com")
-                key = a._keys.key("email", digest("hot@example.com"))
-                token = _shared(a)._claims.token
-                mine = asyncio.create_task(a.save(*hot))
-                await until("the hot row to be queued", lambda: key in _shared(a)._pending)
-                queued_at = time.monotonic()
-                client = Redis.from_url(redis_url)
-                seen: set[bytes | None] = set()
-                try:
+    # Statements of 0.3 s: inside the 1 s statement bound, so the writer is alive, slow.
+    async with (
+        _slow_writer(redis_url, pg_url, 0.3, {**options, "max_batch": 8}),
+        Gateway(redis_url, pg_url, **options) as a,
+        Gateway(redis_url, pg_url, **options) as b,
+    ):
+        await until("listening", lambda: _shared(a).active and _shared(b).active)
+        backlog = [("email", f"backlog{i}") for i in range(400)]  # ~15 s of statements
+        first = asyncio.create_task(a.save_many(backlog))
+        await until("a backlog", lambda: a.stats().shared_rows_queued >= 400)
+        hot = ("email", "hot@example.com")
+        key = a._keys.key("email", digest("hot@example.com"))
+        token = _shared(a)._claims.token
+        mine = asyncio.create_task(a.save(*hot))
+        await until("the hot row to be queued", lambda: key in _shared(a)._pending)
+        queued_at = time.monotonic()
+        client = Redis.from_url(redis_url)
+        seen: set[bytes | None] = set()
+        try:
 
-                    async def others() -> None:  # b's callers of the hot key meanwhile
-                        while not mine.done():
-                            r = await b.save(*hot)
-                            ledger.record(hot, r)
+            async def others() -> None:  # b's callers of the hot key meanwhile
+                while not mine.done():
+                    r = await b.save(*hot)
+                    ledger.record(hot, r)
 
-                    hammer = asyncio.create_task(others())
-                    while not mine.done():
-                        seen.add(cast(bytes | None, await client.get(key)))
-                        await asyncio.sleep(0.02)
-                    waited = time.monotonic() - queued_at
-                    ledger.record(hot, await mine)
-                    await asyncio.wait_for(hammer, WAIT_S)
-                finally:
-                    await client.aclose()
-                ledger.record_all(backlog, await asyncio.wait_for(first, WAIT_S))
-                stats = a.stats()
-    finally:
-        await slow.aclose()
+            hammer = asyncio.create_task(others())
+            while not mine.done():
+                seen.add(cast(bytes | None, await client.get(key)))
+                await asyncio.sleep(0.02)
+            waited = time.monotonic() - queued_at
+            ledger.record(hot, await mine)
+            await asyncio.wait_for(hammer, WAIT_S)
+        finally:
+            await client.aclose()
+        ledger.record_all(backlog, await asyncio.wait_for(first, WAIT_S))
+        stats = a.stats()
     await check_contract(
         capsys, "hot key behind a slow writer", pg_url, ledger,
         hot_waited_s=round(waited, 2), taken_back=stats.shared_rows_returned,
@@ -941,39 +934,38 @@ async def test_full_queue_claimants_write_their_own_rows(
     redis_url: str, pg_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     options: dict[str, Any] = {**SHARED, "shared_queue_max": 20}
-    slow = _slow_sink(pg_url, 0.2)
     ledger = Ledger()
     client = Redis.from_url(redis_url)
     try:
-        async with Gateway(redis_url, sink=slow, max_batch=4, **options) as writer:
-            await until("a writer", lambda: _shared(writer).writer)
-            # Claim batches of 8: each pushes 8 rows, so a third one finds the queue full.
-            async with Gateway(redis_url, pg_url, max_batch=8, **options) as gw:
-                await until("listening", lambda: _shared(gw).active)
-                longest = 0
-                done = asyncio.Event()
+        # Claim batches of 8: each pushes 8 rows, so a third one finds the queue full.
+        async with (
+            _slow_writer(redis_url, pg_url, 0.2, {**options, "max_batch": 4}),
+            Gateway(redis_url, pg_url, max_batch=8, **options) as gw,
+        ):
+            await until("listening", lambda: _shared(gw).active)
+            longest = 0
+            done = asyncio.Event()
 
-                async def watch() -> None:
-                    nonlocal longest
-                    while not done.is_set():
-                        longest = max(longest, await client.llen(_shared(gw)._queue_key))
-                        await asyncio.sleep(0.01)
+            async def watch() -> None:
+                nonlocal longest
+                while not done.is_set():
+                    longest = max(longest, await client.llen(_shared(gw)._queue_key))
+                    await asyncio.sleep(0.01)
 
-                watcher = asyncio.create_task(watch())
-                values = [("email", f"full{i}") for i in range(300)]
-                for start in range(0, 300, 30):
-                    chunk = values[start : start + 30]
-                    ledger.record_all(chunk, await gw.save_many(chunk))
-                # Stopped by a flag and awaited, not cancelled: a LLEN cut off while its
-                # connection is being made left its socket to the garbage collector (a
-                # ResourceWarning, once in ~10 runs), and a cancellation swallowed inside
-                # redis-py kept the loop running until the test's timeout (once, on 6.2).
-                done.set()
-                await asyncio.wait_for(watcher, WAIT_S)
-                stats = gw.stats()
+            watcher = asyncio.create_task(watch())
+            values = [("email", f"full{i}") for i in range(300)]
+            for start in range(0, 300, 30):
+                chunk = values[start : start + 30]
+                ledger.record_all(chunk, await gw.save_many(chunk))
+            # Stopped by a flag and awaited, not cancelled: a LLEN cut off while its
+            # connection is being made left its socket to the garbage collector (a
+            # ResourceWarning, once in ~10 runs), and a cancellation swallowed inside
+            # redis-py kept the loop running until the test's timeout (once, on 6.2).
+            done.set()
+            await asyncio.wait_for(watcher, WAIT_S)
+            stats = gw.stats()
     finally:
         await client.aclose()
-        await slow.aclose()
     await check_contract(
         capsys, "shared queue at its cap", pg_url, ledger, longest_queue=longest,
         queue_full=stats.shared_queue_full, queued=stats.shared_rows_queued,
