@@ -221,7 +221,7 @@ class SharedWrites:
         self._heartbeat_ttl_ms = max(3500, int(self._writer_lease_s * 2000))
         self._queue_ttl_ms = max(1000, int(lease_s * 2000))
         self._queue_max = queue_max
-        # The local tier that learns what the writer saved for the whole fleet (None: off).
+        # The local tier that learns what the fleet saved (None: off).
         self._learn = learn
         self._write_timeout_s = write_timeout_s
         self._write_budget_s = write_budget_s

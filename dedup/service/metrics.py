@@ -71,7 +71,7 @@ _STAT_HELP = {
     "shared_queue_full": "Rows written here because the shared queue was at shared_queue_max.",
     "shared_bad_messages": "Shared-writes rows and answers skipped as malformed or forged.",
     "shared_learned": "Values the local tier learned from the fleet's saved-values broadcast.",
-    "shared_busy_answered": "Busy values answered by the shared writer's saved-values broadcast.",
+    "shared_busy_answered": "Busy values answered by the fleet's saved-values broadcast.",
 }
 
 
