@@ -232,6 +232,35 @@ async def test_redis_restarted_under_shared_writes(
     assert len(await table(pg_url)) >= len([k for k, f in ledger.acks.items() if f])
 
 
+async def test_rows_queued_when_redis_dies_are_written_here_at_once(
+    fresh_redis: RedisServer, pg_url: str
+) -> None:
+    """Redis killed while a row waits for the writer: no word can come, so once the
+    claimant's circuit opens it writes the row itself, through the database alone, long
+    before its caller's deadline (a minute here), rather than waiting for that deadline."""
+    options: dict[str, Any] = {
+        **SHARED, "lease_ms": 3000, "wait_timeout_s": 60, "redis_timeout_s": 0.5,
+        "breaker_failures": 1, "breaker_cooldown_s": 0.3,
+    }  # fmt: skip
+    # The writer's statements sleep 30 s first: the row stays queued or held, unwritten.
+    async with (
+        _slow_writer(fresh_redis.url, pg_url, 30.0, options),
+        Gateway(fresh_redis.url, pg_url, **options) as claimant,
+    ):
+        shared = _shared(claimant)
+        await until("listening", lambda: shared.active)
+        saving = asyncio.ensure_future(claimant.save("email", "stranded@example.com"))
+        await until("the row to be queued", lambda: bool(shared._pending))
+        fresh_redis.kill()
+        started = time.monotonic()
+        result = await asyncio.wait_for(saving, 15)
+        waited = time.monotonic() - started
+        stats = claimant.stats()
+    assert result == SaveResult(True, "write")
+    assert waited < 15 and stats.shared_rows_returned == 1 and stats.degraded_answers == 1
+    assert await table(pg_url) == {("email", "stranded@example.com")}
+
+
 # ------------------------------------------------------------------ rows reach their own database
 
 

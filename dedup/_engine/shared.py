@@ -625,13 +625,17 @@ class SharedWrites:
     async def _renew(self) -> None:
         """A third of a lease apart: renew the leases of the rows this gateway queued, so
         that no other gateway claims a value whose row still waits for the writer, and
-        take back the rows whose writer has stopped popping or changed since."""
+        take back the rows whose writer has stopped popping or changed since; while Redis
+        is skipped, write them here (:meth:`_write_pending_here`)."""
         while not self._stopping:
             await self._pause(self._renew_now, self._lease_s / 3)
             pending = self._pending
             for key in [k for k, e in pending.items() if e.flight.done]:
                 del pending[key]
-            if not pending or not self._usable():
+            if not pending:
+                continue
+            if not self._usable():
+                self._write_pending_here()
                 continue
             entries = list(pending.values())
             term: Any = None
@@ -660,6 +664,18 @@ class SharedWrites:
                     back.append(e.flight)
             if back:
                 await self._take_back_soon(back)
+
+    def _write_pending_here(self) -> None:
+        """Redis is skipped (degraded mode): no writer's word can reach this gateway, and
+        the callers of its queued rows would wait until their deadline nears. Their values
+        are claimed again, which in degraded mode writes them through the database alone
+        (its unique key decides ``created``, as for every save meanwhile); a writer that
+        still writes such a row meets the same key. A take-back under way keeps its own."""
+        flights = [e.flight for e in self._pending.values() if not e.returning]
+        for f in flights:
+            del self._pending[f.key]
+        self._stats.shared_rows_returned += len(flights)
+        self._requeue(flights)
 
     async def _beat(self) -> None:
         """Count the live gateways of this sink, once a second, and at once when one
