@@ -824,7 +824,7 @@ async def test_hot_key_queued_behind_a_slow_writer_keeps_its_lease(
         await until("the hot row to be queued", lambda: key in _shared(a)._pending)
         queued_at = time.monotonic()
         client = Redis.from_url(redis_url)
-        seen: set[bytes | None] = set()
+        seen: list[bytes | None] = []
         try:
 
             async def others() -> None:  # b's callers of the hot key meanwhile
@@ -834,7 +834,7 @@ async def test_hot_key_queued_behind_a_slow_writer_keeps_its_lease(
 
             hammer = asyncio.create_task(others())
             while not mine.done():
-                seen.add(cast(bytes | None, await client.get(key)))
+                seen.append(cast(bytes | None, await client.get(key)))
                 await asyncio.sleep(0.02)
             waited = time.monotonic() - queued_at
             ledger.record(hot, await mine)
@@ -850,8 +850,12 @@ async def test_hot_key_queued_behind_a_slow_writer_keeps_its_lease(
     )  # fmt: skip
     assert waited > 1.5 * lease_s  # it did wait well past its first lease
     # Only a's claims ever held it: queued (token#nonce), held by the writer
-    # (token#nonce@term), or a's own again (taken back).
-    assert seen and all(v is not None and v.startswith(token.encode()) for v in seen), seen
+    # (token#nonce@term), or a's own again (taken back). The writer's commit deletes the
+    # lease key (the marker is in its bucket) in the round trip that publishes a's word, so
+    # reads answered before a handles that word may end the list with no key: not a gap.
+    while seen and seen[-1] is None:
+        seen.pop()
+    assert seen and all(v is not None and v.startswith(token.encode()) for v in seen), set(seen)
     assert ledger.acks[hot].count(True) == 1
     assert not ledger.errors
 
