@@ -793,6 +793,45 @@ async def test_malformed_stale_and_forged_answers_resolve_nothing(
     assert ("email", "pending@example.com") in await table(pg_url)
 
 
+async def test_rows_queued_behind_a_statement_in_flight_are_taken_when_it_ends(
+    redis_url: str, pg_url: str
+) -> None:
+    """Rows queued while the writer's statement is in flight gather in the queue and are
+    taken when it ends, in one statement; the pop behind it looks at the queue every
+    four ``shared_linger_ms`` at most meanwhile (half a statement's worth would go at
+    once), not every ``shared_linger_ms``."""
+    linger_s, statement_s = 0.1, 1.0
+    options: dict[str, Any] = {**SHARED, "lease_ms": 4000, "shared_linger_ms": linger_s * 1000}
+    async with (
+        _slow_writer(redis_url, pg_url, statement_s, options) as writer,
+        Gateway(redis_url, pg_url, **options) as claimant,
+    ):
+        await until("listening", lambda: _shared(claimant).active)
+        shared = _shared(writer)
+        takes: list[float] = []
+        take = shared._take
+
+        async def counted(count: int, popped: bytes | None = None) -> Any:
+            takes.append(time.monotonic())
+            return await take(count, popped)
+
+        shared._take = counted  # counts the writer's pops; they still run against Redis
+        first = asyncio.create_task(claimant.save("email", "first@example.com"))
+        await until("the first statement", lambda: writer.stats().shared_statements == 1)
+        started = time.monotonic()
+        rest = [claimant.save("email", f"behind{i}@example.com") for i in range(5)]
+        behind = asyncio.gather(*rest)
+        assert (await asyncio.wait_for(first, WAIT_S)).created
+        assert all(r.created for r in await asyncio.wait_for(behind, WAIT_S))
+        stats = writer.stats()
+        during = [t for t in takes if started <= t < started + statement_s]
+    assert stats.shared_statements == 2, "the five rows behind the first were not one statement"
+    # Every 4 x 0.1 s: two or three pops in the first statement's second, where a pop every
+    # 0.1 s made ten.
+    assert 1 <= len(during) <= 4, len(during)
+    assert len(await table(pg_url)) == 6
+
+
 # ------------------------------------------------------------------ bounded waits and queue
 
 

@@ -190,7 +190,7 @@ class SharedWrites:
         self._usable = usable
         self._spawn = spawn
         self._batch_rows = batch_rows
-        # A busy writer with fewer rows than this tops up every ``linger_s``.
+        # A busy writer with fewer rows than this waits for the statement in flight.
         self._fill = max(1, batch_rows // 2)
         # A statement popped while another was in flight and still this small when that
         # one ends keeps topping up until it has waited this long in all.
@@ -202,6 +202,9 @@ class SharedWrites:
         # for a fuller statement, so statements stay few under load and waits short.
         self._statements = asyncio.Semaphore(2)
         self._writing = 0
+        # Set when a statement ends: a pop that lingers behind one in flight takes its
+        # rows then, in one script call, rather than at every ``linger_s``.
+        self._ended = asyncio.Event()
         self._popping = False
         self._blocking = False  # the writer waits on an empty queue (a blocking pop)
         self._draining = False  # the writer pops and writes (its lease held)
@@ -842,12 +845,14 @@ class SharedWrites:
         finally:
             self._writing -= 1
             self._statements.release()
+            self._ended.set()
 
     async def _pop(self) -> tuple[list[bytes], str]:
         """One statement's worth of queued rows, and whether the pop holds each one's
         lease (``"1"``/``"0"`` per row): wait for some; while another statement is in
-        flight, top up every ``linger_s`` until half full or that one ends. Rows once
-        popped are kept whatever fails later: the statement writes them, or answers."""
+        flight, let them gather in the queue until it ends (looking every four
+        ``linger_s`` for half a statement's worth). Rows once popped are kept whatever
+        fails later: the statement writes them, or answers."""
         # A held row's statement must end inside the hold (a lease): stop lingering
         # while a statement's bound (the write budget) is still left of it.
         started = self._loop.time()
@@ -856,6 +861,8 @@ class SharedWrites:
         # small statement keeps topping up a little after that one ends, so that
         # statements stay few (PostgreSQL's transactions) once the other ends sooner.
         busy = self._writing > 0
+        if busy:
+            await self._behind(last_linger)
         rows, held = await self._take(self._batch_rows)
         try:
             while not rows and not self._own and self._own_claims and not self._stopping:
@@ -888,7 +895,10 @@ class SharedWrites:
                 )
             ):
                 # Let the statement fill: the fleet's winners keep arriving meanwhile.
-                await asyncio.sleep(self._linger_s)
+                if self._writing:
+                    await self._behind(last_linger)
+                else:
+                    await asyncio.sleep(self._linger_s)
                 more, flags = await self._take(self._batch_rows - len(rows))
                 rows += more
                 held += flags
@@ -897,6 +907,17 @@ class SharedWrites:
                 raise
             self._redis_failed(exc)
         return rows, held
+
+    async def _behind(self, last: float) -> None:
+        """Wait while another statement is in flight: until it ends, for four
+        ``linger_s`` at most (the pop then looks whether half a statement waits), or
+        until ``last`` (loop time), whichever comes first."""
+        self._ended.clear()
+        wait = min(4 * self._linger_s, last - self._loop.time())
+        if wait > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self._ended.wait()
 
     async def _blocking_pop(self) -> Any:
         """``BLPOP`` of the queue (up to ``_POP_BLOCK_S``), never sent twice: a pool's
