@@ -3,7 +3,8 @@
 - ``textbook``: per request GET the saved marker, SET NX PX a lock, re-check, INSERT
   one row, SET the marker, release with a compare-and-delete script;
 - ``redis-lock``: redis-py's ``Lock`` around the re-check and the insert, with the marker;
-- ``db-only``: no Redis; an in-process LRU and singleflight, and one sorted multi-row
+- ``db-only``: no Redis; an in-process LRU (as many entries as the Gateway's default
+  ``local_cache_size``) and singleflight, and one sorted multi-row
   ``INSERT ... ON CONFLICT DO NOTHING`` per event-loop tick;
 - ``dedup``: the :class:`~dedup.Gateway`.
 
@@ -35,6 +36,7 @@ from redis.asyncio.cluster import RedisCluster
 from dedup import Gateway
 from dedup._engine.local import SavedCache
 from dedup._values import digest
+from dedup.options import GatewayOptions
 from dedup.store import keep_session
 from dedup.urls import CLUSTER_SCHEMES
 
@@ -176,7 +178,8 @@ class _DbOnly:
 
     def __init__(self, pool: asyncpg.Pool, c: _Counter, max_batch: int = 512) -> None:
         self.pool, self.c, self.max_batch = pool, c, max_batch
-        self.local = SavedCache(100_000)
+        # The same memory as the Gateway's local tier by default: a fair baseline.
+        self.local = SavedCache(GatewayOptions().local_cache_size)
         self.inflight: dict[bytes, asyncio.Future[bool]] = {}
         self.queue: list[tuple[bytes, str]] = []
         self.scheduled = False
