@@ -28,6 +28,9 @@ class SlowProxy:
         """Client connections accepted so far."""
         self.lost = 0
         """Replies dropped by :meth:`lose_reply` so far."""
+        self.armed = 0
+        """Requests that contained :meth:`lose_reply`'s ``sent`` since it was last called:
+        a request sent before it does not lose its reply."""
         self._lose: tuple[bytes, bytes] | None = None
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -50,6 +53,7 @@ class SlowProxy:
         requests contained ``sent``, and close that connection: the server ran the
         command, its answer never arrives (the network dropped it on the way back)."""
         self._lose = (sent, reply)
+        self.armed = 0
 
     async def start(self) -> SlowProxy:
         """Listen on a free loopback port."""
@@ -107,8 +111,10 @@ class SlowProxy:
         with contextlib.suppress(OSError):
             while data := await src.read(_CHUNK):
                 lose = self._lose
-                if lose is not None and lose[0] in data and lose[0] not in sent:
-                    sent.append(lose[0])
+                if lose is not None and lose[0] in data:
+                    self.armed += 1
+                    if lose[0] not in sent:
+                        sent.append(lose[0])
                 dst.write(data)
                 await dst.drain()
 

@@ -729,11 +729,18 @@ async def test_a_blocking_pop_whose_answer_is_lost_ends_the_writers_term(
     the writer's term ends instead, and the claimant takes its row back and writes it
     at once."""
     options: dict[str, Any] = {**SHARED, "namespace": "lost-blpop", "wait_timeout_s": 120.0}
-    async with _writer_behind_proxy(redis_url, pg_url, options) as (proxy, _, claimant):
+    async with _writer_behind_proxy(redis_url, pg_url, options) as (proxy, writer, claimant):
         proxy.lose_reply(b"BLPOP", b"lostblpop")
-        # A row may reach the writer's other pop, between two blocking ones: then the
-        # next value's row is the blocking pop's.
+        # The blocking pop in flight was sent before that and keeps its answer; the
+        # writer sends the next within 0.1 s (when that one times out).
+        await until("a blocking pop sent after that", lambda: proxy.armed > 0)
         for i in range(5):
+            # Saved while the writer waits on the empty queue, the row is its blocking
+            # pop's (a statement's end races the claimant's next row to the queue, and
+            # the writer's first look after it is an ordinary pop). A blocking pop that
+            # times out just as the row arrives leaves it to the other pop: then the
+            # next value's row is the blocking pop's.
+            await until("the writer's blocking pop", lambda: _shared(writer)._blocking)
             save = claimant.save("email", f"lostblpop{i}@example.com")
             result = await asyncio.wait_for(save, WAIT_S)  # far below the deadline
             assert result.created
