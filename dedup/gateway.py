@@ -27,7 +27,7 @@ import asyncio
 from collections.abc import Iterable, Sequence
 from hashlib import blake2b
 from types import TracebackType
-from typing import Any, Unpack, get_args
+from typing import Any, NamedTuple, Unpack, get_args
 
 from dedup._claims.keys import KeySpace
 from dedup._engine.backends import Backends
@@ -49,6 +49,15 @@ __all__ = ["Gateway"]
 _RESULTS: dict[Source, SaveResult] = {s: SaveResult(s == "write", s) for s in get_args(Source)}
 _LOCAL = _RESULTS["local"]
 _INFLIGHT = _RESULTS["inflight"]
+
+
+class _Pending(NamedTuple):
+    """A save that :meth:`Gateway._save_begin` could not answer without I/O."""
+
+    kind: str
+    value: str
+    digest: bytes
+    payload_json: str | None
 
 
 class Gateway(RunOnceMixin):
@@ -198,6 +207,21 @@ class Gateway(RunOnceMixin):
         Raises :class:`InvalidInput`, :class:`Unavailable`, :class:`WaitTimeout`,
         :class:`Overloaded`, or :class:`DedupError` when the Gateway is not open.
         """
+        begun = self._save_begin(kind, value, payload)
+        if isinstance(begun, _Pending):
+            return await self._save_finish(begun)
+        return begun
+
+    def _save_begin(self, kind: str, value: str, payload: Any = None) -> SaveResult | _Pending:
+        """The part of :meth:`save` that needs no I/O: the answer when this process
+        knows it already (its local tier: ``source="local"``), else what
+        :meth:`_save_finish` takes to go on. Raises what :meth:`save` raises.
+
+        For the service (:mod:`dedup.service.app`), which answers a request from the
+        protocol's callback when it can, with no task: ``save(k, v, p)`` is exactly
+        ``_save_begin(k, v, p)`` then, unless that was a :class:`SaveResult`,
+        ``await _save_finish(...)`` of what it returned.
+        """
         # The common case inline (this is the hot path); the validators give the errors.
         if type(kind) is not str or kind not in self._kinds_ok:
             self._kind_ok(validate_kind(kind))
@@ -218,8 +242,7 @@ class Gateway(RunOnceMixin):
             validate_value(value, self._limits)
         digest = blake2b(raw, digest_size=DIGEST_BYTES).digest()
         payload_json = None if payload is None else encode_payload(payload, self._limits)
-        engine = self._engine
-        if self._state != "open" or engine is None:
+        if self._state != "open" or self._engine is None:
             raise DedupError(f"the Gateway is {self._state}, not open")
         salt = self._local.salts.get(kind)
         if salt is not None:  # the local tier, inline (SavedCache.__contains__): most answers
@@ -230,6 +253,14 @@ class Gateway(RunOnceMixin):
                 self._stats.local += 1
                 self._local.promote(kind, value, local_key)
                 return _LOCAL
+        return _Pending(kind, value, digest, payload_json)
+
+    async def _save_finish(self, pending: _Pending) -> SaveResult:
+        """The rest of a :meth:`save` that :meth:`_save_begin` could not answer."""
+        engine = self._engine
+        if self._state != "open" or engine is None:
+            raise DedupError(f"the Gateway is {self._state}, not open")
+        kind, value, digest, payload_json = pending
         fut, shared = engine.flights.join(
             self._keys.key(kind, digest), kind, value, digest, payload_json
         )

@@ -1,16 +1,23 @@
-"""The HTTP ingest service behind ``dedup serve``: the aiohttp app, its handlers, and
-the serving loop of one worker process.
+"""The HTTP ingest service behind ``dedup serve``: its requests, its handlers, and the
+serving loop of one worker process.
 
-One :class:`~dedup.Gateway` per worker process, served by aiohttp with orjson:
+One :class:`~dedup.Gateway` per worker process, served by :mod:`dedup.service.http`
+(httptools' parser on the event loop) with orjson:
 
 - ``POST /v1/save`` one item -> 201 created / 200 duplicate, ``{"created", "source"}``;
 - ``POST /v1/save/batch`` ``{"items": [...]}`` -> ``{"results": [...]}`` in order,
   validated whole before any work (:meth:`Gateway.save_many`);
 - ``GET /healthz``, ``GET /readyz``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json``.
 
-A 200 or 201 is sent only after :meth:`Gateway.save` returned, that is once the row
-is committed; every other answer acknowledges nothing. Every 4xx and 5xx has the
-body ``{"error": {"code", "message"}}`` (see :data:`dedup.service.openapi.ERRORS`).
+A 200 or 201 is sent only after the Gateway answered, that is once the row is
+committed; every other answer acknowledges nothing. Every 4xx and 5xx has the body
+``{"error": {"code", "message"}}`` (see :data:`dedup.service.openapi.ERRORS`).
+
+A request is checked in a fixed order: path (404), method (405), token (401),
+Content-Type and Content-Encoding (415) and size (413) once its head is read, then
+JSON (400) and fields (422) once its body is. A save the Gateway answers from its
+local tier is answered from the protocol's callback, with no task; the others wait
+in a task of their own.
 
 On SIGTERM a worker stops accepting, finishes the requests in flight, then closes
 its Gateway, which waits for the saves still in flight, so no lease stays held; the
@@ -32,7 +39,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +49,12 @@ from aiohttp import web
 from dedup import __version__
 from dedup.errors import DedupError, InvalidInput, Overloaded, Unavailable, WaitTimeout
 from dedup.gateway import Gateway
+from dedup.service.http import HttpServer, Request, Response
 from dedup.service.logs import setup_logging
 from dedup.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dedup.service.metrics import PUSH_INTERVAL_S, ServiceMetrics
 from dedup.service.openapi import (
     BATCH_PATH,
-    CODE_FOR_STATUS,
     HEALTHZ_PATH,
     METRICS_PATH,
     OPENAPI_PATH,
@@ -66,25 +73,30 @@ __all__ = ["HEARTBEAT_INTERVAL_S", "create_app", "serve", "setup_logging"]
 
 log = logging.getLogger("dedup.service")
 
-_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
 HEARTBEAT_INTERVAL_S = 1.0
 """How often a served event loop calls ``serve``'s ``heartbeat``."""
 
 _ITEM_FIELDS = frozenset(("kind", "value", "payload"))
 _JSON = "application/json"
 
-# The five possible answers, encoded once: the hot path only picks one.
+# Every success answer, made once: the hot path only picks one.
 _RESULT_BODIES: dict[str, bytes] = {
     source: orjson.dumps({"created": source == "write", "source": source}) for source in SOURCES
 }
+_RESULTS: dict[str, Response] = {
+    source: Response(201 if source == "write" else 200, body)
+    for source, body in _RESULT_BODIES.items()
+}
+
+_Answer = Response | Coroutine[Any, Any, Response]
+_Handler = Callable[[Request], _Answer]
 
 
 # ----------------------------------------------------------------------------- errors
 
 
 class _ApiError(Exception):
-    """An answer other than success, raised anywhere below the middleware."""
+    """An answer other than success, raised anywhere in the handling of a request."""
 
     def __init__(
         self,
@@ -99,18 +111,13 @@ class _ApiError(Exception):
         self.status = status
         self.code = code
         self.message = message
-        self.headers = dict(headers or {})
+        self.headers = tuple((headers or {}).items())
         self.extra = extra
 
-    def response(self) -> web.Response:
+    def response(self) -> Response:
         error: dict[str, Any] = {"code": self.code, "message": self.message}
         error.update(self.extra)
-        return web.Response(
-            body=orjson.dumps({"error": error}),
-            status=self.status,
-            content_type=_JSON,
-            headers=self.headers,
-        )
+        return Response(self.status, orjson.dumps({"error": error}), headers=self.headers)
 
 
 class _RateLimitedLog:
@@ -135,82 +142,275 @@ class _RateLimitedLog:
 # -------------------------------------------------------------------------------- app
 
 
-@dataclass(eq=False)
-class _State:
-    gateway: Gateway
-    settings: ServiceSettings
-    metrics: ServiceMetrics
-    token: bytes | None
-    retry_after: dict[str, str]
-    openapi: bytes
-    log: _RateLimitedLog
-    draining: bool = False
-    drain_deadline: float | None = None
-
-
-_STATE = web.AppKey("dedup_state", _State)
-
-
-def _state(request: web.Request) -> _State:
-    return request.app[_STATE]
-
-
-def _authorized(request: web.Request, token: bytes) -> bool:
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+def _authorized(request: Request, token: bytes) -> bool:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer":
         return False
     # compare_digest: the time taken must not reveal how much of the token matched.
     return hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), token)
 
 
-@web.middleware
-async def _middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
-    """Auth, JSON errors for every failure, and the response metrics."""
-    state = _state(request)
-    path = request.path
-    route = path if path in PATHS else "other"
-    started = time.perf_counter()
-    response: web.StreamResponse
-    try:
-        if (
-            state.token is not None
-            and path in PROTECTED_PATHS
-            # Unknown paths and methods answer 404/405 first: they reveal nothing.
-            and request.match_info.http_exception is None
-            and not _authorized(request, state.token)
-        ):
-            raise _ApiError(
-                401,
-                "unauthorized",
-                "a bearer token is required (Authorization: Bearer <token>)",
-                headers={"WWW-Authenticate": 'Bearer realm="dedup"'},
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """One path: its handlers by method, whether it needs the token, its Allow header,
+    and whether its body is a JSON document."""
+
+    handlers: Mapping[str, _Handler]
+    protected: bool
+    allow: str
+    json_body: bool
+
+
+class _Service:
+    """The service's requests over one Gateway: routing, auth, the handlers, JSON errors
+    for every failure and the response metrics (the :class:`~dedup.service.http.Handler`
+    of :class:`~dedup.service.http.HttpServer`)."""
+
+    def __init__(self, gateway: Gateway, settings: ServiceSettings) -> None:
+        self.gateway = gateway
+        self.settings = settings
+        self.max_body_bytes = settings.max_body_bytes
+        self.metrics = ServiceMetrics()
+        self.token = settings.auth_token.encode() or None
+        self.retry_after = {"Retry-After": str(settings.retry_after_s)}
+        self.openapi = orjson.dumps(
+            openapi_document(
+                max_batch_items=settings.max_batch_items,
+                max_body_bytes=settings.max_body_bytes,
+                auth=self.token is not None,
+                version=__version__,
             )
-        response = await handler(request)
-    except _ApiError as exc:
-        response = exc.response()
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        code = CODE_FOR_STATUS.get(exc.status, "http_error")
-        response = _ApiError(exc.status, code, exc.reason, headers=headers).response()
-    except Exception:
-        log.exception("internal error answering %s %s", request.method, route)
-        response = _ApiError(
-            500, "internal_error", "internal error; nothing was acknowledged"
-        ).response()
-    state.metrics.response(route, response.status, time.perf_counter() - started)
-    return response
+        )
+        self.log = _RateLimitedLog()
+        self.draining = False
+        self.drain_deadline: float | None = None
+        self._healthz: Response | None = None
+        gets = (
+            (HEALTHZ_PATH, self._get_healthz),
+            (READYZ_PATH, self._get_readyz),
+            (METRICS_PATH, self._get_metrics),
+            (OPENAPI_PATH, self._get_openapi),
+        )
+        posts = ((SAVE_PATH, self._save), (BATCH_PATH, self._save_batch))
+        self._routes: dict[str, _Route] = {}
+        for path, get in gets:  # HEAD answers as GET, without the body
+            protected = path in PROTECTED_PATHS
+            self._routes[path] = _Route({"GET": get, "HEAD": get}, protected, "GET,HEAD", False)
+        for path, post in posts:
+            self._routes[path] = _Route({"POST": post}, path in PROTECTED_PATHS, "POST", True)
+        assert set(self._routes) == set(PATHS)
+
+    # -------------------------------------------------------- the server's calls
+
+    def head(self, request: Request) -> Response | None:
+        """The answer decided by the request's head (404, 405, 401, 415, 413), if any;
+        else its handler, left in ``request.route``."""
+        route = self._routes.get(request.path)
+        try:
+            if route is None:
+                raise _ApiError(404, "not_found", "Not Found")
+            handler = route.handlers.get(request.method)
+            if handler is None:
+                raise _ApiError(
+                    405, "method_not_allowed", "Method Not Allowed", headers={"Allow": route.allow}
+                )
+            # Unknown paths and methods answer 404/405 first: they reveal nothing.
+            if route.protected and self.token is not None and not _authorized(request, self.token):
+                raise _ApiError(
+                    401,
+                    "unauthorized",
+                    "a bearer token is required (Authorization: Bearer <token>)",
+                    headers={"WWW-Authenticate": 'Bearer realm="dedup"'},
+                )
+            if route.json_body:
+                _check_json_head(request, self.max_body_bytes)
+        except _ApiError as exc:
+            return self._count(request, exc.response())
+        request.route = handler
+        return None
+
+    def handle(self, request: Request) -> Response | Awaitable[Response]:
+        """The answer, at once where the handler has it, else a coroutine that waits."""
+        try:
+            answer = request.route(request)
+        except _ApiError as exc:
+            answer = exc.response()
+        except Exception:
+            log.exception("internal error answering %s %s", request.method, request.path)
+            answer = _internal_error()
+        if type(answer) is Response:
+            return self._count(request, answer)
+        return self._finish(request, answer)
+
+    def refuse(self, status: int, code: str, message: str) -> Response:
+        """The answer to a request the HTTP server refused (counted, its path unknown)."""
+        response = _ApiError(status, code, message).response()
+        self.metrics.response("other", status, 0.0)
+        return response
+
+    async def _finish(self, request: Request, answer: Coroutine[Any, Any, Response]) -> Response:
+        try:
+            response = await answer
+        except _ApiError as exc:
+            response = exc.response()
+        except Exception:
+            log.exception("internal error answering %s %s", request.method, request.path)
+            response = _internal_error()
+        return self._count(request, response)
+
+    def _count(self, request: Request, response: Response) -> Response:
+        path = request.path if request.path in self._routes else "other"
+        self.metrics.response(path, response.status, time.perf_counter() - request.started)
+        return response
+
+    # ------------------------------------------------------------------- handlers
+
+    def _save(self, request: Request) -> _Answer:
+        kind, value, payload = _item(_read_json(request), None)
+        try:
+            begun = self.gateway._save_begin(kind, value, payload)
+        except DedupError as exc:
+            raise _from_dedup(exc, self) from None
+        if type(begun) is SaveResult:  # answered by the local tier: no task
+            self.metrics.items += 1
+            return _RESULTS[begun.source]
+        return self._save_slow(begun)
+
+    async def _save_slow(self, begun: Any) -> Response:
+        try:
+            result = await self.gateway._save_finish(begun)
+        except DedupError as exc:
+            raise _from_dedup(exc, self) from None
+        self.metrics.items += 1
+        return _RESULTS[result.source]
+
+    def _save_batch(self, request: Request) -> _Answer:
+        data = _read_json(request)
+        if type(data) is not dict:
+            raise _invalid('the body must be a JSON object {"items": [...]}', field=None)
+        if data.keys() != {"items"}:
+            extra = sorted(set(data) - {"items"})
+            if extra:
+                raise _invalid(f"unknown field {extra[0]!r} (expected items)", field=extra[0])
+            raise _invalid("items is required", field="items")
+        raw = data["items"]
+        if type(raw) is not list:
+            raise _invalid("items must be a JSON array", field="items")
+        limit = self.settings.max_batch_items
+        if len(raw) > limit:
+            raise _invalid(
+                f"items has {len(raw)} entries, over the limit of {limit}", field="items"
+            )
+        items: list[Item] = []
+        for index, obj in enumerate(raw):
+            kind, value, payload = _item(obj, index)
+            items.append((kind, value) if payload is None else (kind, value, payload))
+        self.metrics.batch(len(items))
+        return self._save_many(items)
+
+    async def _save_many(self, items: list[Item]) -> Response:
+        try:
+            results: list[SaveResult] = await self.gateway.save_many(items)
+        except DedupError as exc:
+            raise _from_dedup(exc, self) from None
+        self.metrics.items += len(results)
+        body = b'{"results":[' + b",".join(_RESULT_BODIES[r.source] for r in results) + b"]}"
+        return Response(200, body)
+
+    def _get_healthz(self, request: Request) -> _Answer:
+        if self._healthz is None:  # made in the serving process (a worker), not before
+            self._healthz = Response(200, orjson.dumps({"status": "ok", "pid": os.getpid()}))
+        return self._healthz
+
+    async def _get_readyz(self, request: Request) -> Response:
+        if self.draining:
+            raise _ApiError(
+                503,
+                "not_ready",
+                "draining: this process is shutting down",
+                headers=self.retry_after,
+            )
+        checks = await self.gateway.ping(timeout_s=self.settings.ready_timeout_s)
+        # Without Redis the gateway still serves (degraded, through the database's unique
+        # key); without the database it cannot acknowledge anything.
+        if not checks["database"]:
+            down = ", ".join(name for name, up in checks.items() if not up)
+            raise _ApiError(
+                503,
+                "not_ready",
+                f"cannot reach: {down}",
+                headers=self.retry_after,
+                checks=checks,
+            )
+        gateway = self.gateway
+        ready = {"ready": True, "degraded": gateway.degraded, "checks": checks}
+        if gateway.degraded:
+            ready["reason"] = gateway.degraded_reason  # unreachable, oom, readonly or misconf
+        return Response(200, orjson.dumps(ready))
+
+    def _get_metrics(self, request: Request) -> _Answer:
+        gw = self.gateway
+        body = self.metrics.render(
+            gw.stats(), pending=gw.pending, degraded=gw.degraded, reason=gw.degraded_reason
+        )
+        return Response(200, body, content_type=METRICS_CONTENT_TYPE)
+
+    def _get_openapi(self, request: Request) -> _Answer:
+        return Response(200, self.openapi)
+
+    # ------------------------------------------------------------------- lifetime
+
+    @contextlib.asynccontextmanager
+    async def lifetime(self) -> AsyncIterator[None]:
+        """Open the Gateway before serving; close it after the last request finished.
+
+        Meanwhile a task pushes the metrics' deltas about once a second; the last push
+        comes after the Gateway closed, so the saves finished while draining count too.
+        """
+        gateway = self.gateway
+        await gateway.open()
+        pusher = asyncio.create_task(self._push_metrics(), name="dedup-metrics-push")
+        try:
+            yield
+            remaining = self.settings.drain_timeout_s
+            if self.drain_deadline is not None:
+                remaining = self.drain_deadline - asyncio.get_running_loop().time()
+            # At least a moment: saves of handlers cancelled at the deadline still hold leases.
+            await gateway.aclose(drain_timeout_s=max(1.0, remaining))
+        finally:
+            pusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pusher
+            self.metrics.flush(gateway.stats(), pending=0, degraded=False)
+
+    async def _push_metrics(self) -> None:
+        gateway = self.gateway
+        while True:
+            await asyncio.sleep(PUSH_INTERVAL_S)
+            try:
+                self.metrics.flush(
+                    gateway.stats(),
+                    pending=gateway.pending,
+                    degraded=gateway.degraded,
+                    reason=gateway.degraded_reason,
+                )
+            except Exception:  # a metrics failure must not end the worker; try again later
+                log.exception("pushing the metrics failed")
 
 
-# The usual spellings of a JSON content type, accepted without aiohttp's header parsing.
+def _internal_error() -> Response:
+    return _ApiError(500, "internal_error", "internal error; nothing was acknowledged").response()
+
+
+# ------------------------------------------------------------------------ requests
+
+# The usual spellings of a JSON content type, accepted without parsing the header.
 _JSON_TYPES = frozenset(("application/json", "application/json; charset=utf-8"))
+_UTF8 = frozenset(("utf-8", "utf8"))
 
-# Request bodies are read as sent (``auto_decompress=False`` on the app): aiohttp's own
-# decompression fails on a broken gzip or deflate body with an error that escapes the
-# handler (a 500), and again, as an "Unhandled exception" traceback in the log, when it
-# drains the unread body of any other answer (a 401, say). Nothing documents compressed
-# requests, so a Content-Encoding other than identity is refused with 415 before reading.
+# Request bodies are read as sent: nothing documents compressed requests (and a broken
+# or oversized compressed body must not reach a decompressor), so a Content-Encoding
+# other than identity is refused with 415 before the body is read.
 _IDENTITY = frozenset(("", "identity"))
 
 # orjson reads an integer beyond the 64-bit range (-2**63 .. 2**64-1) as a float, that
@@ -219,44 +419,44 @@ _IDENTITY = frozenset(("", "identity"))
 _LONG_DIGITS = re.compile(rb"[0-9]{19}")
 
 
-def _is_json(request: web.Request) -> bool:
-    charset = (request.charset or "utf-8").lower()
-    return request.content_type == _JSON and charset in ("utf-8", "utf8")
+def _is_json(content_type: str) -> bool:
+    """``application/json``, with no charset or a UTF-8 one (any case, any spacing)."""
+    media, *params = content_type.split(";")
+    if media.strip().lower() != _JSON:
+        return False
+    for param in params:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in _UTF8:
+            return False
+    return True
 
 
-def _is_identity(request: web.Request) -> bool:
-    return all(
-        coding.strip().lower() in _IDENTITY
-        for header in request.headers.getall("Content-Encoding", ())
-        for coding in header.split(",")
-    )
-
-
-async def _read_json(request: web.Request, state: _State) -> Any:
-    """The request's JSON body, or the 415 / 413 / 400 that says why not."""
-    if request.headers.get("Content-Type") not in _JSON_TYPES and not _is_json(request):
+def _check_json_head(request: Request, limit: int) -> None:
+    """The 415 or 413 a JSON request's head earns, if any."""
+    headers = request.headers
+    content_type = headers.get("content-type", "")
+    if content_type not in _JSON_TYPES and not _is_json(content_type):
         raise _ApiError(
             415, "unsupported_media_type", "Content-Type must be application/json (UTF-8)"
         )
-    if "Content-Encoding" in request.headers and not _is_identity(request):
+    encoding = headers.get("content-encoding")
+    if encoding is not None and not all(
+        coding.strip().lower() in _IDENTITY for coding in encoding.split(",")
+    ):
         raise _ApiError(
             415,
             "unsupported_media_type",
             "Content-Encoding must be identity: compressed bodies are not accepted",
             headers={"Accept-Encoding": "identity"},
         )
-    limit = state.settings.max_body_bytes
-    length = request.content_length
-    try:
-        if length is not None and length > limit:
-            raise web.HTTPRequestEntityTooLarge(limit, length)  # refused without reading it
-        body = await request.read()  # aiohttp enforces client_max_size on chunked bodies
-    except web.HTTPRequestEntityTooLarge:
-        raise _ApiError(413, "body_too_large", f"the body is over {limit} bytes") from None
-    except web.RequestPayloadError:
-        # The body's encoding broke midway (possible where the serving aiohttp decodes
-        # bodies, as when this app is mounted in another): the client's fault, not a bug.
-        raise _ApiError(400, "malformed_json", "the body could not be read") from None
+    length = headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise _ApiError(413, "body_too_large", f"the body is over {limit} bytes")
+
+
+def _read_json(request: Request) -> Any:
+    """The request's JSON body, or the 400 that says why not."""
+    body = request.body
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -298,9 +498,9 @@ def _item(obj: Any, index: int | None) -> tuple[Any, Any, Any]:
         raise _invalid(f"{exc.args[0]} is required", field=exc.args[0], index=index) from None
 
 
-def _from_dedup(exc: DedupError, state: _State) -> _ApiError:
+def _from_dedup(exc: DedupError, service: _Service) -> _ApiError:
     """The HTTP answer for a Gateway error; details of server failures go to the log only."""
-    retry = state.retry_after
+    retry = service.retry_after
     if isinstance(exc, InvalidInput):
         extra: dict[str, Any] = {"field": exc.field}
         if exc.index is not None:
@@ -317,7 +517,7 @@ def _from_dedup(exc: DedupError, state: _State) -> _ApiError:
         )
     if isinstance(exc, Unavailable):
         # The server's own message may name hosts; redacted, it goes to the log only.
-        state.log.warning(exc.component, redact(str(exc)))
+        service.log.warning(exc.component, redact(str(exc)))
         return _ApiError(
             503,
             "unavailable",
@@ -325,243 +525,67 @@ def _from_dedup(exc: DedupError, state: _State) -> _ApiError:
             headers=retry,
             component=exc.component,
         )
-    state.log.warning("other", redact(str(exc)))
+    service.log.warning("other", redact(str(exc)))
     return _ApiError(
         503, "unavailable", "the service cannot save now; nothing was acknowledged", headers=retry
     )
 
 
-async def _save(request: web.Request) -> web.Response:
-    state = _state(request)
-    kind, value, payload = _item(await _read_json(request, state), None)
-    try:
-        result = await state.gateway.save(kind, value, payload)
-    except DedupError as exc:
-        raise _from_dedup(exc, state) from None
-    state.metrics.items += 1
-    status = 201 if result.created else 200
-    return web.Response(body=_RESULT_BODIES[result.source], status=status, content_type=_JSON)
-
-
-async def _save_batch(request: web.Request) -> web.Response:
-    state = _state(request)
-    data = await _read_json(request, state)
-    if type(data) is not dict:
-        raise _invalid('the body must be a JSON object {"items": [...]}', field=None)
-    if data.keys() != {"items"}:
-        extra = sorted(set(data) - {"items"})
-        if extra:
-            raise _invalid(f"unknown field {extra[0]!r} (expected items)", field=extra[0])
-        raise _invalid("items is required", field="items")
-    raw = data["items"]
-    if type(raw) is not list:
-        raise _invalid("items must be a JSON array", field="items")
-    limit = state.settings.max_batch_items
-    if len(raw) > limit:
-        raise _invalid(f"items has {len(raw)} entries, over the limit of {limit}", field="items")
-    items: list[Item] = []
-    for index, obj in enumerate(raw):
-        kind, value, payload = _item(obj, index)
-        items.append((kind, value) if payload is None else (kind, value, payload))
-    state.metrics.batch(len(items))
-    try:
-        results: list[SaveResult] = await state.gateway.save_many(items)
-    except DedupError as exc:
-        raise _from_dedup(exc, state) from None
-    state.metrics.items += len(results)
-    body = b'{"results":[' + b",".join(_RESULT_BODIES[r.source] for r in results) + b"]}"
-    return web.Response(body=body, content_type=_JSON)
-
-
-async def _healthz(request: web.Request) -> web.Response:
-    return web.Response(body=orjson.dumps({"status": "ok", "pid": os.getpid()}), content_type=_JSON)
-
-
-async def _readyz(request: web.Request) -> web.Response:
-    state = _state(request)
-    if state.draining:
-        raise _ApiError(
-            503, "not_ready", "draining: this process is shutting down", headers=state.retry_after
-        )
-    checks = await state.gateway.ping(timeout_s=state.settings.ready_timeout_s)
-    # Without Redis the gateway still serves (degraded, through the database's unique
-    # key); without the database it cannot acknowledge anything.
-    if not checks["database"]:
-        down = ", ".join(name for name, up in checks.items() if not up)
-        raise _ApiError(
-            503,
-            "not_ready",
-            f"cannot reach: {down}",
-            headers=state.retry_after,
-            checks=checks,
-        )
-    gateway = state.gateway
-    ready = {"ready": True, "degraded": gateway.degraded, "checks": checks}
-    if gateway.degraded:
-        ready["reason"] = gateway.degraded_reason  # unreachable, oom, readonly or misconf
-    return web.Response(
-        body=orjson.dumps(ready),
-        content_type=_JSON,
-    )
-
-
-async def _metrics(request: web.Request) -> web.Response:
-    state = _state(request)
-    gw = state.gateway
-    body = state.metrics.render(
-        gw.stats(), pending=gw.pending, degraded=gw.degraded, reason=gw.degraded_reason
-    )
-    return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
-
-
-async def _openapi(request: web.Request) -> web.Response:
-    return web.Response(body=_state(request).openapi, content_type=_JSON)
-
-
-async def _gateway_lifetime(app: web.Application) -> AsyncIterator[None]:
-    """Open the Gateway before serving; close it after the last request finished.
-
-    Meanwhile a task pushes the metrics' deltas about once a second; the last push
-    comes after the Gateway closed, so the saves finished while draining count too.
-    """
-    state = app[_STATE]
-    gateway = state.gateway
-    await gateway.open()
-    pusher = asyncio.create_task(_push_metrics(state), name="dedup-metrics-push")
-    try:
-        yield
-        remaining = state.settings.drain_timeout_s
-        if state.drain_deadline is not None:
-            remaining = state.drain_deadline - asyncio.get_running_loop().time()
-        # At least a moment: saves of handlers cancelled at the deadline still hold leases.
-        await gateway.aclose(drain_timeout_s=max(1.0, remaining))
-    finally:
-        pusher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await pusher
-        state.metrics.flush(gateway.stats(), pending=0, degraded=False)
-
-
-async def _push_metrics(state: _State) -> None:
-    gateway = state.gateway
-    while True:
-        await asyncio.sleep(PUSH_INTERVAL_S)
-        try:
-            state.metrics.flush(
-                gateway.stats(),
-                pending=gateway.pending,
-                degraded=gateway.degraded,
-                reason=gateway.degraded_reason,
-            )
-        except Exception:  # a metrics failure must not end the worker; try again later
-            log.exception("pushing the metrics failed")
-
-
-async def _on_shutdown(app: web.Application) -> None:
-    app[_STATE].draining = True
+# ------------------------------------------------------------------- embedding
 
 
 def create_app(gateway: Gateway, settings: ServiceSettings) -> web.Application:
-    """The aiohttp application serving ``gateway`` (not yet open: the app opens it at
-    startup and closes it at cleanup, after the last request).
+    """An aiohttp application serving ``gateway`` as ``dedup serve`` does (not yet open:
+    the app opens it at startup and closes it at cleanup, after the last request), to
+    mount in an aiohttp server of your own. :func:`serve` answers the same requests the
+    same way on the service's own HTTP server (:mod:`dedup.service.http`), which costs
+    a request far less than aiohttp's."""
+    service = _Service(gateway, settings)
 
-    Embed it in your own aiohttp server, or run it with :func:`serve`.
-    """
-    token = settings.auth_token.encode() or None
-    state = _State(
-        gateway=gateway,
-        settings=settings,
-        metrics=ServiceMetrics(),
-        token=token,
-        retry_after={"Retry-After": str(settings.retry_after_s)},
-        openapi=orjson.dumps(
-            openapi_document(
-                max_batch_items=settings.max_batch_items,
-                max_body_bytes=settings.max_body_bytes,
-                auth=token is not None,
-                version=__version__,
-            )
-        ),
-        log=_RateLimitedLog(),
-    )
+    async def handle(request: web.Request) -> web.Response:
+        headers: dict[str, str] = {}
+        for name, value in request.headers.items():
+            key = name.lower()
+            headers[key] = value if key not in headers else f"{headers[key]}, {value}"
+        ours = Request(request.method, request.raw_path.encode(), headers, request.remote or "-")
+        answer = service.head(ours)
+        if answer is None:
+            try:
+                ours.body = await request.read()  # aiohttp enforces client_max_size
+            except web.HTTPRequestEntityTooLarge:
+                limit = settings.max_body_bytes
+                answer = service.refuse(413, "body_too_large", f"the body is over {limit} bytes")
+            except web.RequestPayloadError:
+                answer = service.refuse(400, "malformed_json", "the body could not be read")
+            else:
+                handled = service.handle(ours)
+                answer = handled if isinstance(handled, Response) else await handled
+        return web.Response(
+            body=answer.body,
+            status=answer.status,
+            headers={"Content-Type": answer.content_type, **dict(answer.headers)},
+        )
+
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        async with service.lifetime():
+            yield
+
+    async def on_shutdown(app: web.Application) -> None:
+        service.draining = True
+
     app = web.Application(
-        middlewares=[_middleware],
         client_max_size=settings.max_body_bytes,
-        # On the app, not in serve(): any runner of this app gets it too (see _IDENTITY).
+        # Bodies as sent: a compressed one is refused (415) before it is read.
         handler_args={"auto_decompress": False},
     )
-    app[_STATE] = state
-    app.router.add_post(SAVE_PATH, _save)
-    app.router.add_post(BATCH_PATH, _save_batch)
-    app.router.add_get(HEALTHZ_PATH, _healthz)
-    app.router.add_get(READYZ_PATH, _readyz)
-    app.router.add_get(METRICS_PATH, _metrics)
-    app.router.add_get(OPENAPI_PATH, _openapi)
-    app.cleanup_ctx.append(_gateway_lifetime)
-    app.on_shutdown.append(_on_shutdown)
+    # One route for every path and method: the service routes (and answers 404/405) itself.
+    app.router.add_route("*", "/{path:.*}", handle)
+    app.cleanup_ctx.append(lifetime)
+    app.on_shutdown.append(on_shutdown)
     return app
 
 
 # ---------------------------------------------------------------------------- serving
-
-
-class _RequestHandler(web.RequestHandler):
-    """aiohttp's connection handler, answering the requests its HTTP parser refuses (a
-    bad request line or header, a line too long, a bad chunk size: no handler or
-    middleware of the app sees them) like every other error of the service: a JSON
-    body, ``malformed_http``. aiohttp's own answer was a plain-text 400 quoting the
-    request's bytes, and an ERROR log line with a traceback quoting them again (an
-    over-long ``Authorization`` header put the token in the log)."""
-
-    __slots__ = ()  # a subclass of a slotted class, so that a handler can become one
-
-    def handle_error(
-        self,
-        request: web.BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        if not 400 <= status < 500 or request.writer.output_size > 0:
-            return super().handle_error(request, status, exc, message)
-        # The exception's class only: its text quotes the request.
-        what = type(exc).__name__ if exc is not None else "a malformed request"
-        log.debug("refused a request aiohttp could not parse (%s, %d)", what, status)
-        code = "malformed_http" if status == 400 else CODE_FOR_STATUS.get(status, "http_error")
-        response = _ApiError(status, code, f"the request is not valid HTTP/1.1 ({what})").response()
-        response.force_close()
-        # Counted like every response (its path unknown: route "other"); no latency,
-        # as no request reached the application.
-        metrics = getattr(getattr(self, "_manager", None), "metrics", None)
-        if isinstance(metrics, ServiceMetrics):
-            metrics.response("other", status, 0.0)
-        return response
-
-
-class _Server(web.Server):
-    """aiohttp's protocol factory, making :class:`_RequestHandler` connection handlers."""
-
-    metrics: ServiceMetrics | None = None
-    """The application's metrics, where its handlers count the requests they refuse."""
-
-    def __call__(self) -> web.RequestHandler:
-        handler = super().__call__()
-        if type(handler) is web.RequestHandler:  # else an aiohttp laid out otherwise
-            handler.__class__ = _RequestHandler  # same slots: only handle_error differs
-        return handler
-
-
-def _answer_parser_errors_in_json(runner: web.AppRunner, metrics: ServiceMetrics) -> None:
-    """Make ``runner``'s server answer unparsable requests with :class:`_RequestHandler`
-    and count them in ``metrics`` (aiohttp builds its server and handlers itself, with
-    no option for their classes)."""
-    server = runner.server
-    if type(server) is web.Server:
-        server.__class__ = _Server
-        assert isinstance(server, _Server)
-        server.metrics = metrics
-    else:  # an aiohttp laid out otherwise: keep its plain-text answers
-        log.warning("aiohttp's server is not the expected class: its parser errors stay plain text")
 
 
 async def serve(
@@ -589,49 +613,41 @@ async def serve(
     beating = None
     if heartbeat is not None:
         beating = asyncio.create_task(_beat(heartbeat), name="dedup-heartbeat")
-    app = create_app(gateway, settings)
-    state = app[_STATE]
-    access_log = logging.getLogger("aiohttp.access") if settings.access_log else None
-    runner = web.AppRunner(
-        app,
-        access_log=access_log,
-        # No headers or bodies in the access log: the token and values stay out of it.
-        access_log_format='%a "%r" %s %b %Tf',
-        shutdown_timeout=settings.drain_timeout_s,
-        keepalive_timeout=settings.keepalive_timeout_s,
+    service = _Service(gateway, settings)
+    server = HttpServer(
+        service,
+        keepalive_timeout_s=settings.keepalive_timeout_s,
+        # One line per request: no headers or bodies, so the token and values stay out.
+        access_log=settings.access_log,
     )
     try:
-        await runner.setup()  # opens the Gateway: fails here if Redis or the database cannot
-        _answer_parser_errors_in_json(runner, state.metrics)
-        try:
-            site = web.TCPSite(
-                runner,
-                settings.host,
-                settings.port,
-                reuse_port=reuse_port,
-                backlog=settings.backlog,
-            )
-            await site.start()
-            port = _bound_port(runner, settings.port)
-            log.info(
-                "serving on http://%s:%d (pid %d, auth %s)",
-                settings.host,
-                port,
-                os.getpid(),
-                "on" if state.token else "off",
-            )
-            if not settings.loopback and state.token is None:
-                log.warning("listening on %s without auth_token: anyone who can reach it can write",
-                            settings.host)  # fmt: skip
-            if on_ready is not None:
-                on_ready(port)
-            await stop.wait()
-            log.info("draining (pid %d): finishing requests in flight", os.getpid())
-        finally:
-            state.draining = True
-            state.drain_deadline = loop.time() + settings.drain_timeout_s
-            await runner.cleanup()
-            log.info("stopped (pid %d)", os.getpid())
+        # Opens the Gateway: fails here if Redis or the database cannot be reached.
+        async with service.lifetime():
+            try:
+                port = await server.start(
+                    settings.host, settings.port, reuse_port=reuse_port, backlog=settings.backlog
+                )
+                log.info(
+                    "serving on http://%s:%d (pid %d, auth %s)",
+                    settings.host,
+                    port,
+                    os.getpid(),
+                    "on" if service.token else "off",
+                )
+                if not settings.loopback and service.token is None:
+                    log.warning(
+                        "listening on %s without auth_token: anyone who can reach it can write",
+                        settings.host,
+                    )
+                if on_ready is not None:
+                    on_ready(port)
+                await stop.wait()
+                log.info("draining (pid %d): finishing requests in flight", os.getpid())
+            finally:
+                service.draining = True
+                service.drain_deadline = loop.time() + settings.drain_timeout_s
+                await server.drain(settings.drain_timeout_s)
+        log.info("stopped (pid %d)", os.getpid())
     finally:
         if beating is not None:
             beating.cancel()
@@ -645,10 +661,3 @@ async def _beat(heartbeat: Callable[[], None]) -> None:
     while True:
         heartbeat()
         await asyncio.sleep(HEARTBEAT_INTERVAL_S)
-
-
-def _bound_port(runner: web.AppRunner, fallback: int) -> int:
-    for address in runner.addresses:
-        if isinstance(address, tuple) and len(address) >= 2:
-            return int(address[1])
-    return fallback

@@ -8,16 +8,18 @@ A worker that died keeps its counts in the totals (its files stay); its live gau
 are dropped by the supervisor (``mark_process_dead``). With one process the metrics
 live in a registry of this process.
 
-Cost: the request latency and batch size histograms are observed per request; every
-counter (responses, items, and the Gateway's :meth:`~dedup.Gateway.stats`) is counted
-in plain integers and pushed as deltas by :meth:`ServiceMetrics.flush`, about once a
-second and before each scrape, so a save pays no file write for them.
+Cost: every counter (responses, items, and the Gateway's :meth:`~dedup.Gateway.stats`)
+and every histogram bucket (request latency, batch size) is counted in plain numbers
+and pushed as deltas by :meth:`ServiceMetrics.flush`, about once a second and before
+each scrape, so a request pays no lock and no file write for them.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
+from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -75,6 +77,39 @@ _STAT_HELP = {
 }
 
 
+class _Buckets:
+    """One histogram's observations, counted in plain numbers and pushed to it as deltas
+    (:meth:`Histogram.observe` takes a lock per call, and writes a file in multiprocess
+    mode). The push adds to the histogram's own values (its ``_buckets`` and ``_sum``,
+    which ``observe`` adds to likewise): prometheus_client has no public call for it."""
+
+    __slots__ = ("_bounds", "_histogram", "_pushed", "_pushed_sum", "counts", "total")
+
+    def __init__(self, histogram: Histogram, bounds: tuple[float, ...]) -> None:
+        self._histogram = histogram
+        self._bounds = (*bounds, math.inf)
+        self.counts = [0] * len(self._bounds)
+        self.total = 0.0
+        self._pushed = [0] * len(self._bounds)
+        self._pushed_sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        """Count one observation (in the first bucket whose bound is at least ``amount``)."""
+        self.counts[bisect_left(self._bounds, amount)] += 1
+        self.total += amount
+
+    def push(self) -> None:
+        """Add what was observed since the last push to the histogram."""
+        buckets = self._histogram._buckets
+        for i, n in enumerate(self.counts):
+            if n != self._pushed[i]:
+                buckets[i].inc(n - self._pushed[i])
+                self._pushed[i] = n
+        if self.total != self._pushed_sum:
+            self._histogram._sum.inc(self.total - self._pushed_sum)
+            self._pushed_sum = self.total
+
+
 class ServiceMetrics:
     """The metrics of one worker process, and the rendering of the whole service's.
 
@@ -111,13 +146,17 @@ class ServiceMetrics:
             buckets=LATENCY_BUCKETS_S,
             registry=own,
         )
-        self._latency = {path: latency.labels(path) for path in (SAVE_PATH, BATCH_PATH)}
-        self._batch_items = Histogram(
+        self._latency = {
+            path: _Buckets(latency.labels(path), LATENCY_BUCKETS_S)
+            for path in (SAVE_PATH, BATCH_PATH)
+        }
+        batch_items = Histogram(
             "dedup_http_batch_items",
             "Items per accepted batch request.",
             buckets=BATCH_BUCKETS,
             registry=own,
         )
+        self._batch_items = _Buckets(batch_items, BATCH_BUCKETS)
         self._items = Counter(
             "dedup_http_items", "Items accepted for saving (single + batch).", registry=own
         )
@@ -191,6 +230,8 @@ class ServiceMetrics:
             if delta:
                 self._responses.labels(key[0], str(key[1])).inc(delta)
                 self._pushed_responses[key] = n
+        for buckets in (*self._latency.values(), self._batch_items):
+            buckets.push()
         if self.items != self._pushed_items:
             self._items.inc(self.items - self._pushed_items)
             self._pushed_items = self.items
