@@ -1,5 +1,5 @@
-"""Requests/s and items/s of ``dedup serve``: /v1/save and /v1/save/batch next to /healthz,
-against the same server in the same run. A measurement, not a test.
+"""Requests/s and items/s of ``dedup serve`` next to bare servers that parse the same
+requests and answer a constant, in the same run, with the ratios. A measurement, not a test.
 
     .venv/bin/python bench/http_bench.py --start                 # throwaway servers, wrk
     .venv/bin/python bench/http_bench.py --start --tool aiohttp  # no wrk: a Python client
@@ -9,9 +9,19 @@ against the same server in the same run. A measurement, not a test.
 do), migrates, and runs ``python -m dedup serve --workers W`` on a free port; without it,
 ``--url`` names a running service (its database gets rows of kind ``http-bench``).
 
-Every value is new unless ``--pool N`` draws values from N per endpoint (then most answers
-come from the local tier). With wrk (``apt-get install wrk``) the client is C; the
-``aiohttp`` client is Python and on a small machine measures itself as much as the server.
+The phases (``--endpoints``): ``healthz``; ``save``, every value new; ``repeat``, saves of
+values drawn from a pool of ``--pool`` (10,000) saved beforehand; ``batch`` and
+``batch-repeat``, the same with ``--batch`` items a request. With ``--start`` (and
+``--baseline``, on by default there) the same phases first run against two bare servers
+in processes of their own, each on uvloop, whose handlers read the body, parse it with
+orjson, check the fields and answer a constant:
+
+- ``stack``: the service's own HTTP server (dedup.service.http), the same stack as
+  ``dedup serve``: the ratio to it is what dedup's work per request costs;
+- ``aiohttp``: an aiohttp application, the usual Python HTTP stack.
+
+With wrk (``apt-get install wrk``) the client is C; the ``aiohttp`` client is Python and on
+a small machine measures itself as much as the server.
 """
 
 from __future__ import annotations
@@ -103,14 +113,16 @@ def run_wrk(
     batch: int,
     pool: int,
     token: str,
+    run: str,
 ) -> Result:
-    """Run wrk once against ``endpoint`` and parse its report."""
+    """Run wrk once against ``endpoint`` and parse its report; values are
+    ``<run>-...`` (the same ``run`` and ``pool`` repeat the same values)."""
     items = {"healthz": 0, "save": 1, "batch": batch}[endpoint]
     script = _WRK_SCRIPT % {
         "endpoint": endpoint,
         "batch": batch,
         "pool": pool,
-        "run": secrets.token_hex(4),
+        "run": run,
         "token": token,
         "kind": KIND,
     }
@@ -155,11 +167,18 @@ def run_wrk(
 
 
 async def run_aiohttp(
-    url: str, endpoint: str, *, seconds: int, connections: int, batch: int, pool: int, token: str
+    url: str,
+    endpoint: str,
+    *,
+    seconds: int,
+    connections: int,
+    batch: int,
+    pool: int,
+    token: str,
+    run: str,
 ) -> Result:
     """A closed loop of ``connections`` clients for ``seconds``, in this process."""
     items = {"healthz": 0, "save": 1, "batch": batch}[endpoint]
-    run = secrets.token_hex(4)
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
@@ -250,83 +269,244 @@ def started_service(workers: int, log_dir: Path) -> Iterator[str]:
             log.close()
 
 
-async def _wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
+async def _wait_ready(url: str, proc: subprocess.Popen[bytes], path: str = "/readyz") -> None:
     deadline = time.monotonic() + 60
     async with aiohttp.ClientSession() as http:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise SystemExit(f"dedup serve exited with {proc.returncode}")
+                raise SystemExit(f"{url}: the server exited with {proc.returncode}")
             with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(f"{url}/readyz") as r:
+                async with http.get(f"{url}{path}") as r:
                     if r.status == 200:
                         return
             await asyncio.sleep(0.1)
-    raise SystemExit("dedup serve was not ready within 60 s")
+    raise SystemExit(f"{url} was not ready within 60 s")
+
+
+# ------------------------------------------------------------------ bare servers
+
+_BARE_HEALTHZ = b'{"status":"ok"}'
+_BARE_SAVED = b'{"created":true,"source":"write"}'
+
+
+def _bare_answer(path: str, body: bytes) -> tuple[int, bytes]:
+    """What a bare server answers: the body parsed with orjson, its fields checked, and
+    a constant (422 where dedup would refuse the shape)."""
+    if path == "/healthz":
+        return 200, _BARE_HEALTHZ
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return 400, b"{}"
+    if path == "/v1/save":
+        good = type(data) is dict and type(data.get("kind")) is str
+        return (201, _BARE_SAVED) if good and type(data.get("value")) is str else (422, b"{}")
+    items = data.get("items") if type(data) is dict else None
+    if type(items) is not list or not all(
+        type(i) is dict and type(i.get("kind")) is str and type(i.get("value")) is str
+        for i in items
+    ):
+        return 422, b"{}"
+    return 200, b'{"results":[' + b",".join(_BARE_SAVED for _ in items) + b"]}"
+
+
+def serve_bare(kind: str, port: int) -> None:
+    """Serve a bare server (``stack`` or ``aiohttp``) on 127.0.0.1:``port`` until SIGTERM."""
+    sys.path.insert(0, str(ROOT))
+    import uvloop
+    from aiohttp import web
+
+    from dedup.service.http import HttpServer, Request, Response
+
+    paths = {"/healthz": "GET", "/v1/save": "POST", "/v1/save/batch": "POST"}
+
+    class Bare:
+        max_body_bytes = 1024 * 1024
+
+        def head(self, request: Request) -> Response | None:
+            if paths.get(request.path) != request.method:
+                return Response(404, b"{}")
+            return None
+
+        def handle(self, request: Request) -> Response:
+            return Response(*_bare_answer(request.path, request.body))
+
+        def refuse(self, status: int, code: str, message: str) -> Response:
+            return Response(status, b"{}")
+
+    async def aiohttp_handler(request: web.Request) -> web.Response:
+        status, body = _bare_answer(request.path, await request.read())
+        return web.Response(status=status, body=body, content_type="application/json")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        if kind == "stack":
+            server = HttpServer(Bare())
+            await server.start("127.0.0.1", port)
+            await stop.wait()
+            await server.drain(1.0)
+            return
+        app = web.Application()
+        for path, method in paths.items():
+            app.router.add_route(method, path, aiohttp_handler)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await stop.wait()
+        await runner.cleanup()
+
+    uvloop.run(main())
+
+
+@contextlib.contextmanager
+def started_bare(kind: str) -> Iterator[str]:
+    """A bare server in a process of its own; yields its URL."""
+    sys.path.insert(0, str(ROOT))
+    from dedup.testing.servers import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--bare-server", kind, "--port", str(port)],
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        asyncio.run(_wait_ready(url, proc, path="/healthz"))
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+# -------------------------------------------------------------------------- main
+
+# phase -> (endpoint, uses the pool)
+PHASES = {
+    "healthz": ("healthz", False),
+    "save": ("save", False),
+    "repeat": ("save", True),
+    "batch": ("batch", False),
+    "batch-repeat": ("batch", True),
+}
+# The ratios printed: (phase, the bare server and phase it is divided by).
+RATIOS = [
+    ("healthz", ("stack", "healthz")),
+    ("healthz", ("aiohttp", "healthz")),
+    ("repeat", ("stack", "save")),
+    ("repeat", ("aiohttp", "save")),
+    ("save", ("stack", "save")),
+    ("save", ("aiohttp", "save")),
+]
 
 
 def main() -> int:
-    """Parse the flags, run each endpoint in turn, print one table."""
+    """Parse the flags, run each phase against each server in turn, print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a running service (default: --start one)")
     parser.add_argument("--start", action="store_true", help="start throwaway servers + service")
     parser.add_argument("--workers", type=int, default=1, help="service workers with --start")
     parser.add_argument("--token", default=os.environ.get("DEDUP_AUTH_TOKEN", ""))
     parser.add_argument("--tool", choices=["wrk", "aiohttp"], default="wrk")
-    parser.add_argument("--seconds", type=int, default=10, help="per endpoint (10)")
+    parser.add_argument("--seconds", type=int, default=6, help="per phase (6)")
     parser.add_argument("--connections", type=int, default=64, help="concurrent connections (64)")
-    parser.add_argument("--threads", type=int, default=2, help="wrk threads (2)")
+    parser.add_argument("--threads", type=int, default=1, help="wrk threads (1)")
     parser.add_argument("--batch", type=int, default=100, help="items per batch request (100)")
-    parser.add_argument("--pool", type=int, default=0, help="values drawn from N (0: all new)")
-    parser.add_argument("--endpoints", default="healthz,save,batch")
+    parser.add_argument("--pool", type=int, default=10_000, help="values of the repeat phases")
+    parser.add_argument("--endpoints", default=",".join(PHASES), help="phases to run")
+    parser.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also measure the bare servers (default: with --start)",
+    )
+    parser.add_argument("--bare-server", choices=["stack", "aiohttp"], help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.bare_server:
+        serve_bare(args.bare_server, args.port)
+        return 0
     if args.tool == "wrk" and shutil.which("wrk") is None:
         parser.error("wrk not found: apt-get install wrk, or --tool aiohttp")
     if not args.start and not args.url:
         parser.error("give --url of a running service, or --start")
+    phases = [p.strip() for p in args.endpoints.split(",") if p.strip()]
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown:
+        parser.error(f"unknown phase {unknown[0]!r} (of {', '.join(PHASES)})")
+    baseline = args.start if args.baseline is None else args.baseline
 
-    def measure(url: str) -> list[Result]:
-        results = []
-        for endpoint in args.endpoints.split(","):
-            if args.tool == "wrk":
-                result = run_wrk(
-                    url,
-                    endpoint,
-                    seconds=args.seconds,
-                    connections=args.connections,
-                    threads=args.threads,
-                    batch=args.batch,
-                    pool=args.pool,
-                    token=args.token,
-                )
-            else:
-                result = asyncio.run(
-                    run_aiohttp(
-                        url,
-                        endpoint,
-                        seconds=args.seconds,
-                        connections=args.connections,
-                        batch=args.batch,
-                        pool=args.pool,
-                        token=args.token,
-                    )
-                )
+    def once(url: str, endpoint: str, seconds: int, pool: int, run: str, token: str) -> Result:
+        if args.tool == "wrk":
+            return run_wrk(
+                url,
+                endpoint,
+                seconds=seconds,
+                connections=args.connections,
+                threads=args.threads,
+                batch=args.batch,
+                pool=pool,
+                token=token,
+                run=run,
+            )
+        return asyncio.run(
+            run_aiohttp(
+                url,
+                endpoint,
+                seconds=seconds,
+                connections=args.connections,
+                batch=args.batch,
+                pool=pool,
+                token=token,
+                run=run,
+            )
+        )
+
+    results: dict[tuple[str, str], Result] = {}
+
+    def measure(server: str, url: str, token: str) -> None:
+        for phase in phases:
+            endpoint, pooled = PHASES[phase]
+            if server != "dedup" and phase not in ("healthz", "save", "batch"):
+                continue  # a bare server answers a repeat as it answers a new value
+            run = secrets.token_hex(4)
+            pool = args.pool if pooled else 0
+            if pooled:  # every value of the pool saved once, then the phase is measured
+                once(url, endpoint, max(2, args.seconds // 3), pool, run, token)
+            result = once(url, endpoint, args.seconds, pool, run, token)
+            results[(server, phase)] = result
             print(
-                f"{endpoint:<8} {result.rps:>10,.0f} req/s {result.items_ps:>10,.0f} items/s "
-                f"p50 {result.p50_ms:7.2f} ms  p99 {result.p99_ms:7.2f} ms  errors {result.errors}",
+                f"{server:<8} {phase:<13} {result.rps:>10,.0f} req/s {result.items_ps:>10,.0f} "
+                f"items/s  p50 {result.p50_ms:7.2f} ms  p99 {result.p99_ms:7.2f} ms  "
+                f"errors {result.errors}",
                 flush=True,
             )
-            results.append(result)
-        return results
 
     print(
-        f"tool={args.tool} connections={args.connections} seconds={args.seconds} "
-        f"batch={args.batch} pool={args.pool} workers={args.workers} cpus={os.cpu_count()}"
+        f"tool={args.tool} connections={args.connections} threads={args.threads} "
+        f"seconds={args.seconds} batch={args.batch} pool={args.pool} workers={args.workers} "
+        f"cpus={os.cpu_count()}"
     )
+    if baseline:
+        for kind in ("stack", "aiohttp"):
+            with started_bare(kind) as url:
+                measure(kind, url, "")
     if args.start:
         with tempfile.TemporaryDirectory() as tmp, started_service(args.workers, Path(tmp)) as url:
-            measure(url)
+            measure("dedup", url, args.token)
     else:
-        measure(args.url)
+        measure("dedup", args.url, args.token)
+    if baseline:
+        print("\nratios (requests/s of dedup's phase / the bare server's phase):")
+        for phase, (bare, bare_phase) in RATIOS:
+            ours, theirs = results.get(("dedup", phase)), results.get((bare, bare_phase))
+            if ours is not None and theirs is not None and theirs.rps:
+                print(f"  {phase:<13} / {bare} {bare_phase:<8} {ours.rps / theirs.rps:6.2f}x")
     return 0
 
 

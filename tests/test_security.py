@@ -25,7 +25,6 @@ import asyncpg
 import orjson
 import pytest
 import redis.asyncio as aioredis
-from aiohttp.test_utils import make_mocked_request
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from dedup import ConfigError, Gateway, InvalidInput, Unavailable
@@ -37,6 +36,7 @@ from dedup._redis.script import exchange
 from dedup._values import digest
 from dedup.metrics import Stats
 from dedup.service.app import _authorized
+from dedup.service.http import Request
 from tests.servers import RedisServer, free_port
 from tests.test_mux import mux_of, packed
 from tests.test_service import (
@@ -193,9 +193,7 @@ def test_token_compare_is_constant_time(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(hmac, "compare_digest", spy)
 
     def check(header: str) -> bool:
-        return _authorized(
-            make_mocked_request("POST", "/v1/save", headers={"Authorization": header}), token
-        )
+        return _authorized(Request("POST", b"/v1/save", {"authorization": header}, "-"), token)
 
     assert check(f"Bearer {TOKEN}") and check(f"bearer {TOKEN}")
     # Every same-length token that differs in one character, at every position.

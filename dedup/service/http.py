@@ -235,11 +235,8 @@ class _Connection(asyncio.Protocol):
         self._closing = True
         if response is None:
             response = self._handler.refuse(status, code, message)
-        if self._running is None:
-            self._flush_queue()
-            self._send(response, keep_alive=False)
-        else:  # sent once the running request has been answered
-            self._refusal = response
+        self._refusal = response  # sent by _answer_queued once the queue is answered
+        self._answer_queued()
 
     # ---------------------------------------------------------- parser callbacks
 
@@ -284,6 +281,10 @@ class _Connection(asyncio.Protocol):
         self._request = request
         self._early = self._handler.head(request)
         expects = request.headers.get("expect", "").lower() == "100-continue"
+        if expects and self._early is not None:
+            # The client waits for a 100 before it sends the body: answer now (after the
+            # requests before it) and close, as the body will not come.
+            raise _Refused(self._early.status, "", "", self._early)
         if expects and self._early is None and not self._queue and self._transport is not None:
             self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -307,6 +308,7 @@ class _Connection(asyncio.Protocol):
             request.body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._queue.append((request, self._early))
         self._request = None
+        self._url = b""  # else the connection never counts as idle again
         if len(self._queue) >= _MAX_PIPELINED and not self._paused and self._transport is not None:
             self._paused = True
             self._transport.pause_reading()
@@ -333,41 +335,32 @@ class _Connection(asyncio.Protocol):
                 queue.popleft()
                 self._send(answer, request=request)
             else:
-                self._running = asyncio.ensure_future(self._await(request, answer))
+                self._running = self._server.loop.create_task(self._await(request, answer))
         if self._paused and len(queue) < _MAX_PIPELINED // 2 and self._transport is not None:
             self._paused = False
             self._transport.resume_reading()
+        refusal = self._refusal
+        if refusal is not None and not queue and self._running is None:
+            self._refusal = None
+            self._send(refusal, keep_alive=False)
 
     async def _await(self, request: Request, answer: Awaitable[Response]) -> None:
         try:
             response = await answer
+        except Exception:  # as in _answer_queued: a 500, and the requests behind it go on
+            log.exception("internal error answering %s", request.method)
+            response = self._handler.refuse(
+                500, "internal_error", "internal error; nothing was acknowledged"
+            )
         finally:
             self._running = None
         if self._queue and self._queue[0][0] is request:
             self._queue.popleft()
         self._send(response, request=request)
-        refusal = self._refusal
-        if refusal is not None:
-            self._flush_queue()
-            self._send(refusal, keep_alive=False)
-            return
         self._answer_queued()
 
     def _closing_done(self) -> bool:
         return self._transport is None or self._transport.is_closing()
-
-    def _flush_queue(self) -> None:
-        """Answer the queued requests whose answers are ready (before a refusal)."""
-        while self._queue and not self._closing_done():
-            request, early = self._queue.popleft()
-            if early is None:
-                answer = self._handler.handle(request)
-                if not isinstance(answer, Response):
-                    if asyncio.iscoroutine(answer):
-                        answer.close()
-                    return  # a slow one: the refusal goes after what was answered
-                early = answer
-            self._send(early, request=request)
 
     def _send(
         self, response: Response, *, request: Request | None = None, keep_alive: bool = True
@@ -451,6 +444,7 @@ class HttpServer:
         self.connections: set[_Connection] = set()
         self.clock = _Clock()
         self.draining = False
+        self.loop: asyncio.AbstractEventLoop  # set by start()
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -458,7 +452,7 @@ class HttpServer:
         self, host: str, port: int, *, reuse_port: bool = False, backlog: int = 128
     ) -> int:
         """Listen on ``host:port``; returns the bound port (``port`` 0: a free one)."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             lambda: _Connection(self), host, port, reuse_port=reuse_port or None, backlog=backlog
         )
