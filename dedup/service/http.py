@@ -88,7 +88,7 @@ class Response:
     """An answer: ``status``, ``body``, ``content_type`` and any ``headers`` besides
     Content-Type, Content-Length, Date and Connection (which the server writes)."""
 
-    __slots__ = ("body", "content_type", "headers", "status")
+    __slots__ = ("_date", "_wire", "body", "content_type", "headers", "status")
 
     def __init__(
         self,
@@ -101,6 +101,36 @@ class Response:
         self.body = body
         self.content_type = content_type
         self.headers = headers
+        # The whole keep-alive answer as sent, and the Date it was made with: a response
+        # the handler answers often (a save's result, /healthz) is made once a second.
+        self._date = b""
+        self._wire = b""
+
+    def wire(self, date: bytes, connection: bytes = b"", head: bool = False) -> bytes:
+        """The bytes to send: status line, headers (``connection``: a Connection header
+        line, or none), the blank line and, unless ``head``, the body."""
+        if not connection and not head and date is self._date:
+            return self._wire
+        parts = [
+            _status_line(self.status),
+            b"Content-Type: ",
+            self.content_type.encode("latin-1"),
+            b"\r\nContent-Length: ",
+            str(len(self.body)).encode(),
+            b"\r\nDate: ",
+            date,
+            b"\r\n",
+        ]
+        for name, value in self.headers:
+            parts.append(f"{name}: {value}\r\n".encode("latin-1"))
+        parts.append(connection)
+        parts.append(b"\r\n")
+        if not head:
+            parts.append(self.body)
+        wire = b"".join(parts)
+        if not connection and not head:
+            self._date, self._wire = date, wire
+        return wire
 
 
 class Handler(Protocol):
@@ -370,27 +400,13 @@ class _Connection(asyncio.Protocol):
             return
         if request is not None:
             keep_alive = keep_alive and request.keep_alive and not self._server.draining
-        body = response.body
-        parts = [
-            _status_line(response.status),
-            b"Content-Type: ",
-            response.content_type.encode("latin-1"),
-            b"\r\nContent-Length: ",
-            str(len(body)).encode(),
-            b"\r\nDate: ",
-            self._server.clock.date(),
-            b"\r\n",
-        ]
-        for name, value in response.headers:
-            parts.append(f"{name}: {value}\r\n".encode("latin-1"))
+        connection = b""
         if not keep_alive:
-            parts.append(b"Connection: close\r\n")
+            connection = b"Connection: close\r\n"
         elif request is not None and request.version == "1.0":
-            parts.append(b"Connection: keep-alive\r\n")
-        parts.append(b"\r\n")
-        if request is None or request.method != "HEAD":
-            parts.append(body)
-        transport.write(b"".join(parts))
+            connection = b"Connection: keep-alive\r\n"
+        head = request is not None and request.method == "HEAD"
+        transport.write(response.wire(self._server.clock.date(), connection, head))
         self.last_active = time.monotonic()
         if (
             request is not None
@@ -404,7 +420,7 @@ class _Connection(asyncio.Protocol):
                 request.path,
                 request.version,
                 response.status,
-                len(body),
+                len(response.body),
                 time.perf_counter() - request.started,
             )
         if not keep_alive:
