@@ -10,11 +10,11 @@ closed loop of ``--concurrency`` requests in flight for ``--seconds``. Three
 workloads per framework:
 
 - ``bare``: no middleware (the baseline);
-- ``new``: the middleware, every request a new Idempotency-Key (claim, handler,
-  INSERT of the response, commit);
+- ``new``: the middleware, every request a new Idempotency-Key (claim, read of the
+  key's row, handler, INSERT of the response, commit; each shared with the requests
+  in flight at the time, so ``--concurrency`` decides how much they share);
 - ``replay``: the middleware, keys from a pool of ``--keys`` answered once
-  beforehand, so every request is a replay (a claim that finds the key saved and
-  a read of the stored response).
+  beforehand, so every request is a replay (from the middleware's replay cache).
 
 Printed: requests/s per workload and its ratio to ``bare`` of the same framework.
 Not a test: figures depend on the machine and on what else runs on it.
@@ -120,6 +120,10 @@ async def _serve_async(
 
         class Server(ThreadingMixIn, WSGIServer):
             daemon_threads = True
+            # socketserver's listen backlog is 5: past it a connection waits for the
+            # client's SYN retransmission (a second or more), so more than a few
+            # requests in flight would measure the backlog. Servers' own is larger.
+            request_queue_size = 1024
 
         class Quiet(WSGIRequestHandler):
             def log_message(self, format: str, *args: Any) -> None:

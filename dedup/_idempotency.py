@@ -29,6 +29,10 @@ import hashlib
 import http
 import inspect
 import logging
+import math
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
@@ -36,23 +40,28 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict
 import orjson
 
 from dedup._engine.once import Lease, begin
-from dedup._values import validate_kind
+from dedup._values import validate_kind, validate_value
 from dedup.errors import DedupError, InvalidInput, Unavailable, WaitTimeout
 from dedup.urls import redact
 
 if TYPE_CHECKING:
+    from dedup._engine.local import SavedCache
     from dedup.gateway import Gateway
 
 __all__ = [
     "BODY_OMITTED_HEADER",
     "DEFAULT_MAX_REQUEST_BYTES",
     "DEFAULT_MAX_RESPONSE_BYTES",
+    "DEFAULT_REPLAY_CACHE_BYTES",
+    "DEFAULT_REPLAY_CACHE_S",
+    "DEFAULT_REPLAY_CACHE_SIZE",
     "NEVER_STORED",
     "REPLAYED_HEADER",
     "Capture",
     "Fingerprint",
     "Idempotency",
     "Options",
+    "ReplayCache",
     "RequestInfo",
     "Response",
     "call_maybe",
@@ -82,11 +91,25 @@ DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
 """A guarded request's body is read (to fingerprint it) up to this size; a larger
 one gets 413. aiohttp's own ``client_max_size`` default is the same."""
 
+DEFAULT_REPLAY_CACHE_SIZE = 4096
+"""Stored responses a middleware keeps in process for replays, at most (0: none)."""
+
+DEFAULT_REPLAY_CACHE_BYTES = 8 * 1024 * 1024
+"""Bytes of bodies and headers a middleware's replay cache holds, at most."""
+
+DEFAULT_REPLAY_CACHE_S = 60.0
+"""Seconds a stored response is replayed from the cache after it was put there; then
+the next replay reads the row again."""
+
 _ALWAYS_KEPT = ("content-type", "location")
+# What a cache entry costs besides its bodies and header strings (the objects around
+# them), counted against replay_cache_bytes so that tiny entries are bounded too.
+_ENTRY_OVERHEAD_BYTES = 400
 _RECORD_VERSION = 1
 # The fixed text of a 503, by the failing component (Unavailable.component).
 _UNAVAILABLE = {"redis": "Redis is unavailable", "database": "the database is unavailable"}
 _PROBLEM_TYPE = "application/problem+json"
+_JSON_TYPE = (("Content-Type", "application/json"),)
 
 Mode = Literal["replay", "ingest"]
 InFlight = Literal["reject", "wait"]
@@ -108,6 +131,9 @@ class Options(TypedDict, total=False):
     replay_headers: Iterable[str]
     duplicate_status: int
     retry_after_s: int
+    replay_cache_size: int
+    replay_cache_bytes: int
+    replay_cache_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +258,108 @@ class Capture:
         return None if self._chunks is None else b"".join(self._chunks)
 
 
+_Record = tuple[str | None, Response] | None
+"""A stored record, decoded: (fingerprint, response), or None for a key saved without one."""
+
+
+class _Entry:
+    __slots__ = ("expires_at", "local", "local_key", "record", "size")
+
+    def __init__(
+        self, record: _Record, local: SavedCache, local_key: int, expires_at: float, size: int
+    ) -> None:
+        self.record = record
+        self.local = local
+        self.local_key = local_key
+        self.expires_at = expires_at
+        self.size = size
+
+
+class ReplayCache:
+    """The stored responses of one middleware's saved keys, kept in process so that a
+    replay needs neither Redis nor the database: a bounded LRU (at most ``max_entries``
+    entries and ``max_bytes`` bytes of bodies and headers), keyed by the key's Gateway
+    value.
+
+    A row's payload never changes once written (the first writer's stays), so an entry is
+    the row as every process reads it. Rows can still be deleted; the rules that bound
+    what a deleted row costs:
+
+    - an entry is used only while the Gateway's local tier still holds the key as saved:
+      whatever drops it there (:meth:`dedup.Gateway.purge`, eviction, a lookup that found
+      the row gone) drops it here too;
+    - an entry is used for ``max_age_s`` after it was put, never longer (a hit does not
+      extend it): a row deleted by SQL alone is replayed from a process's cache for at
+      most that long, then the next replay reads the row (and finds it gone).
+
+    Thread-safe: the WSGI middleware looks up from the server's threads and fills from
+    the SyncGateway's loop thread. ``hits`` and ``misses`` count lookups.
+    """
+
+    __slots__ = ("_entries", "_lock", "hits", "max_age_s", "max_bytes", "max_entries",
+                 "misses", "nbytes")  # fmt: skip
+
+    def __init__(self, max_entries: int, max_bytes: int, max_age_s: float) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._lock = threading.Lock()
+        self.nbytes = 0
+        """Bytes held now (bodies, header strings and a fixed cost per entry)."""
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, value: str) -> tuple[bool, _Record]:
+        """``(True, record)`` for a cached key, ``(False, None)`` otherwise."""
+        with self._lock:
+            entry = self._entries.get(value)
+            if entry is None:
+                self.misses += 1
+                return False, None
+            # A read of the tier's dict, not ``in`` on the tier (which reorders it): the
+            # WSGI middleware looks up from a thread other than the tier's loop thread.
+            if entry.expires_at <= time.monotonic() or entry.local_key not in entry.local.entries:
+                self._drop(value)
+                self.misses += 1
+                return False, None
+            self._entries.move_to_end(value)
+            self.hits += 1
+            return True, entry.record
+
+    def put(self, value: str, record: _Record, local: SavedCache, local_key: int) -> None:
+        """Keep ``record`` for ``value``, whose entry in the local tier ``local`` is
+        ``local_key``; evict the least recently used entries past the bounds."""
+        size = _ENTRY_OVERHEAD_BYTES + len(value)
+        if record is not None:
+            response = record[1]
+            size += len(response.body or b"") + sum(len(n) + len(v) for n, v in response.headers)
+        if self.max_entries == 0 or size > self.max_bytes:
+            return
+        entry = _Entry(record, local, local_key, time.monotonic() + self.max_age_s, size)
+        with self._lock:
+            self._drop(value)
+            self._entries[value] = entry
+            self.nbytes += size
+            while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
+                _, old = self._entries.popitem(last=False)
+                self.nbytes -= old.size
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        with self._lock:
+            self._entries.clear()
+            self.nbytes = 0
+
+    def _drop(self, value: str) -> None:
+        old = self._entries.pop(value, None)
+        if old is not None:
+            self.nbytes -= old.size
+
+
 class Idempotency:
     """The validated options of one middleware and the rules it applies.
 
@@ -254,11 +382,16 @@ class Idempotency:
     - ``max_request_bytes``: a guarded body is read up to this size, else 413 (1 MiB).
     - ``replay_headers=()``: response headers kept besides Content-Type and Location.
     - ``retry_after_s=1``: the Retry-After of a 409 and a 503.
+    - ``replay_cache_size=4096``, ``replay_cache_bytes=8 MiB``, ``replay_cache_s=60``:
+      the bounds of the in-process cache of stored responses (:class:`ReplayCache`),
+      which answers replays without Redis or the database; ``replay_cache_size=0``
+      turns it off.
     """
 
-    __slots__ = ("duplicate_status", "fingerprinter", "header", "in_flight", "key", "kind",
-                 "max_request_bytes", "max_response_bytes", "methods", "mode", "replay_headers",
-                 "require_key", "retry_after", "scope", "store_4xx")  # fmt: skip
+    __slots__ = ("cache", "duplicate_status", "fingerprinter", "header", "in_flight", "key",
+                 "kind", "max_request_bytes", "max_response_bytes", "methods", "mode",
+                 "replay_headers", "require_key", "retry_after", "scope",
+                 "store_4xx")  # fmt: skip
 
     def __init__(
         self,
@@ -278,6 +411,9 @@ class Idempotency:
         replay_headers: Iterable[str] = (),
         duplicate_status: int = 200,
         retry_after_s: int = 1,
+        replay_cache_size: int = DEFAULT_REPLAY_CACHE_SIZE,
+        replay_cache_bytes: int = DEFAULT_REPLAY_CACHE_BYTES,
+        replay_cache_s: float = DEFAULT_REPLAY_CACHE_S,
     ) -> None:
         self.kind = validate_kind(kind)
         if not isinstance(header, str) or not header.strip():
@@ -309,6 +445,17 @@ class Idempotency:
         if type(duplicate_status) is not int or not 200 <= duplicate_status <= 299:
             raise InvalidInput("duplicate_status must be a 2xx status", field="duplicate_status")
         self.duplicate_status = duplicate_status
+        if (
+            type(replay_cache_s) not in (int, float)
+            or replay_cache_s <= 0
+            or not math.isfinite(replay_cache_s)
+        ):
+            raise InvalidInput("replay_cache_s must be a number > 0", field="replay_cache_s")
+        self.cache = ReplayCache(
+            _whole(replay_cache_size, "replay_cache_size", 0),
+            _whole(replay_cache_bytes, "replay_cache_bytes", 0),
+            float(replay_cache_s),
+        )
 
     # ------------------------------------------------------------ the request side
 
@@ -380,11 +527,44 @@ class Idempotency:
 
     # -------------------------------------------------------------- the claim
 
+    def cached(self, gateway: Gateway, value: str, fingerprint: str | None) -> Response | None:
+        """The answer to a request whose key's stored response is in the cache (a replay,
+        or a 422), with no network; None when it is not there (then :meth:`claim`).
+
+        Only while the Gateway is open and not degraded: otherwise the request gets what
+        :meth:`claim` answers (a 503), as it did before the key was cached."""
+        found, record = self.cache.get(value)
+        if not found or gateway.degraded or gateway._engine is None:
+            return None
+        return self._answer(record, fingerprint)
+
+    def remember(
+        self, gateway: Gateway, value: str, record: _Record, digest: bytes | None = None
+    ) -> None:
+        """Put ``value``'s record (``digest``: its value digest, if known) in the cache,
+        only with the key in the local tier, where a saved key's answer just put it."""
+        if self.cache.max_entries == 0:
+            return
+        try:
+            parts = gateway._parts()
+            if digest is None:
+                digest = validate_value(value, parts.limits)
+        except DedupError:  # closed meanwhile: nothing to keep
+            return
+        local = parts.local
+        local_key = local.key(self.kind, digest)
+        if local_key in local.entries:
+            self.cache.put(value, record, local, local_key)
+
     async def claim(
         self, gateway: Gateway, value: str, fingerprint: str | None
     ) -> Lease | Response:
         """Claim the key: a :class:`~dedup._engine.once.Lease` when this request is to run the
-        handler, else the answer (a replay, 422, the ingest repeat, or an error)."""
+        handler, else the answer (a replay, 422, the ingest repeat, or an error): from
+        the cache when the key's stored response is there (:meth:`cached`)."""
+        answer = self.cached(gateway, value, fingerprint)
+        if answer is not None:
+            return answer
         wait_s = None if self.in_flight == "wait" else 0.0
         try:
             claimed = await begin(gateway, self.kind, value, wait_s=wait_s)
@@ -392,7 +572,9 @@ class Idempotency:
             return self.error(exc)
         if isinstance(claimed, Lease):
             return claimed
-        return self.answer_saved(claimed.payload, fingerprint)
+        record = _decode(claimed.payload) if self.mode == "replay" else None
+        self.remember(gateway, value, record)
+        return self._answer(record, fingerprint)
 
     def error(self, exc: DedupError) -> Response:
         """The answer to an error of the claim: 400 for a bad key, 409 with Retry-After
@@ -420,10 +602,11 @@ class Idempotency:
         plain ``save`` of this kind) gets a 422, not a made-up 200: there is no first
         response to give back, and running the handler could repeat what that save
         stood for."""
+        return self._answer(_decode(payload) if self.mode == "replay" else None, fingerprint)
+
+    def _answer(self, decoded: _Record, fingerprint: str | None) -> Response:
         if self.mode == "ingest":
-            json_type = (("Content-Type", "application/json"),)
-            return Response(self.duplicate_status, json_type, b'{"duplicate":true}')
-        decoded = _decode(payload)
+            return Response(self.duplicate_status, _JSON_TYPE, b'{"duplicate":true}')
         if decoded is None:
             return problem(
                 422,
@@ -472,16 +655,26 @@ class Idempotency:
         if status is None or not self.stores(status):
             await lease.fail()
             return
-        record = self._record(status, self.kept(headers), body, fingerprint)
+        kept = self.kept(headers)
+        record = self._record(status, kept, body, fingerprint)
         limit = gateway._parts().limits.max_payload_bytes
-        if body is not None and len(orjson.dumps(record)) > limit:
+        # JSON escapes a byte into 6 characters at most (base64 takes 4 for 3): a body
+        # far below the limit needs no trial encoding, which finish() does again.
+        if body is not None and (
+            6 * len(body) + sum(len(n) + len(v) for n, v in kept) + 512 > limit
+            and len(orjson.dumps(record)) > limit
+        ):
             # The body does not fit the Gateway's payload limit: status and headers only.
-            record = self._record(status, self.kept(headers), None, fingerprint)
+            record = self._record(status, kept, None, fingerprint)
         try:
-            await lease.finish(record)
+            stored = await lease.finish(record)
         except DedupError as exc:
             # The lease is released: the key stays unsaved and a retry runs again.
             log.warning("could not store the response of a request key (a %d): %r", status, exc)
+            return
+        # The row's payload: this record, or the one of a runner that wrote first.
+        decoded = _decode(stored) if self.mode == "replay" else None
+        self.remember(gateway, lease.value, decoded, lease.digest)
 
     def _record(
         self,

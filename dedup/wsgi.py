@@ -94,7 +94,9 @@ class DedupMiddleware:
         try:
             value = rules.value(key, None if rules.scope is None else rules.scope(environ))
             gw = self.gateway
-            claimed = gw._call(rules.claim(gw.gateway, value, fingerprint))
+            # A cached replay is answered here, without a hop to the loop thread.
+            cached = rules.cached(gw.gateway, value, fingerprint)
+            claimed = cached or gw._call(rules.claim(gw.gateway, value, fingerprint))
         except DedupError as exc:  # a bad key, or the SyncGateway's own call timeout
             return _answer(start_response, rules.error(exc))
         if isinstance(claimed, Response):

@@ -20,6 +20,7 @@ import orjson
 import pytest
 from multidict import CIMultiDictProxy
 
+import dedup._idempotency
 import dedup.aiohttp
 import dedup.asgi
 import dedup.wsgi
@@ -289,8 +290,9 @@ async def test_a_body_over_the_cap_replays_status_and_headers(app: Setup, pg_url
 async def test_a_key_whose_row_was_deleted_runs_the_handler_again(app: Setup, pg_url: str) -> None:
     """A key forgotten by deleting its row, while the Redis marker (kept forever by
     default) and the local tier still say it is saved, runs the handler again: no
-    made-up 200 with an empty body and Idempotent-Replayed."""
-    base = await app.build(kind="orders")
+    made-up 200 with an empty body and Idempotent-Replayed. (Without the replay cache:
+    with it, the rule is the next test's.)"""
+    base = await app.build(kind="orders", replay_cache_size=0)
     first = await call(base, "k", "a")
     assert first.status == 201 and (await call(base, "k", "a")).replayed
     await forget(pg_url, "orders")
@@ -300,11 +302,89 @@ async def test_a_key_whose_row_was_deleted_runs_the_handler_again(app: Setup, pg
     again = await call(base, "k", "a")
     assert again.replayed and again.body == second.body
     await forget(pg_url, "orders")
-    fresh = await app.build(kind="orders")  # another Gateway: only Redis says saved
+    fresh = await app.build(kind="orders", replay_cache_size=0)  # only Redis says saved
     third = await call(fresh, "k", "a")
     assert third.status == 201 and not third.replayed and third.body != second.body
     assert (await call(base, "k", "a")).body == third.body
     assert app.count() == 3
+
+
+async def test_a_deleted_row_is_replayed_from_the_cache_for_replay_cache_s_at_most(
+    app: Setup, pg_url: str
+) -> None:
+    """The replay cache's documented rule: a row deleted by SQL alone is still replayed
+    by a process that cached it, for at most ``replay_cache_s`` after it was cached;
+    then the next request reads the row, finds it gone and runs the handler."""
+    base = await app.build(kind="orders", replay_cache_s=1.0)
+    first = await call(base, "k", "a")  # stored, and cached as it is stored
+    await forget(pg_url, "orders")
+    cached = await call(base, "k", "a")
+    assert cached.replayed and cached.body == first.body
+    await asyncio.sleep(1.2)
+    rerun = await call(base, "k", "a")
+    assert rerun.status == 201 and not rerun.replayed and rerun.body != first.body
+    assert (await call(base, "k", "a")).body == rerun.body
+    assert app.count() == 2
+
+
+async def test_a_cached_replay_reads_no_database(app: Setup, pg_url: str) -> None:
+    """A key stored (or read back) by this process is replayed from its cache: with the
+    table gone, its replays and its 422 are still answered, a key not cached gets 503."""
+    base = await app.build(kind="orders")
+    first = await call(base, "stored", "a")
+    other = await app.build(kind="orders")  # another Gateway: its cache is filled by a read
+    assert (await call(other, "stored", "a")).replayed
+    ingest = await app.build(kind="events", mode="ingest")
+    assert (await call(ingest, "e", "a")).status == 201
+    conn = await asyncpg.connect(pg_url)
+    try:  # from now on every read of the table fails
+        await conn.execute("ALTER TABLE dedup_items RENAME TO dedup_items_gone")
+    finally:
+        await conn.close()
+    for server in (base, other):
+        again = await call(server, "stored", "a")
+        assert (again.status, again.body, again.replayed) == (201, first.body, True)
+        assert_problem(await call(server, "stored", "b"), 422, "key_mismatch")
+    repeat = await call(ingest, "e", "b")
+    assert (repeat.status, repeat.json()) == (200, {"duplicate": True})
+    assert_problem(await call(base, "not-cached", "a"), 503, "unavailable")
+    assert app.count() == 2
+
+
+async def test_the_replay_cache_is_bounded(redis_url: str, pg_url: str) -> None:
+    """At most ``replay_cache_size`` entries and ``replay_cache_bytes`` bytes, the least
+    recently used dropped first; nothing cached without the key in the local tier."""
+    async with Gateway(redis_url, pg_url) as gw:
+        rules = Idempotency(replay_cache_size=3, replay_cache_bytes=4000)
+
+        async def store(key: str, body: bytes) -> None:
+            lease = await rules.claim(gw, key, None)
+            assert not isinstance(lease, dedup._idempotency.Response)
+            await rules.settle(gw, lease, 201, [("Content-Type", "text/plain")], body, None)
+
+        for i in range(10):
+            await store(f"k{i}", b"x")
+            assert len(rules.cache) <= 3 and rules.cache.nbytes <= 4000
+        assert rules.cached(gw, "k0", None) is None  # evicted
+        for i in (7, 8, 9):
+            answer = rules.cached(gw, f"k{i}", None)
+            assert answer is not None and answer.body == b"x"
+        for i in range(3):  # 1,000 bytes each: three do not fit in 4,000 with the rest
+            await store(f"big{i}", b"y" * 1000)
+            assert rules.cache.nbytes <= 4000
+        assert len(rules.cache) == 2
+        await store("huge", b"z" * 5000)  # over the byte bound alone: never cached
+        assert rules.cached(gw, "huge", None) is None
+        assert rules.cache.nbytes <= 4000
+        # Whatever drops a key from the local tier drops its cache entry (purge, here).
+        assert rules.cached(gw, "big2", None) is not None
+        await gw.purge(["request"])
+        assert rules.cached(gw, "big2", None) is None
+        off = Idempotency(replay_cache_size=0)
+        lease = await off.claim(gw, "off", None)
+        assert not isinstance(lease, dedup._idempotency.Response)
+        await off.settle(gw, lease, 201, (), b"x", None)
+        assert len(off.cache) == 0 and off.cached(gw, "off", None) is None
 
 
 async def test_a_key_saved_without_a_record_is_not_replayed(
@@ -454,6 +534,10 @@ def test_bad_options_are_typed() -> None:
         {"max_request_bytes": 0},
         {"duplicate_status": 409},
         {"retry_after_s": 1.5},
+        {"replay_cache_size": -1},
+        {"replay_cache_bytes": 1.5},
+        {"replay_cache_s": 0},
+        {"replay_cache_s": float("inf")},
     ]
     for options in bad:
         with pytest.raises(InvalidInput):
@@ -466,3 +550,52 @@ def test_bad_options_are_typed() -> None:
         dedup.wsgi.DedupMiddleware(lambda e, s: [], gateway=gw)  # type: ignore[arg-type]
     with pytest.raises(InvalidInput):
         json_fingerprint(ignore="sent_at")
+
+
+async def test_concurrent_new_keys_each_run_once_and_replay(app: Setup) -> None:
+    """Many requests with new keys at once (their reads and rows batched together): each
+    runs the handler once, and each key's retry replays its own first answer."""
+    base = await app.build(kind="orders")
+    keys = [f"k-{i}" for i in range(30)]
+    # Five connections at a time: wsgiref's listen backlog is five, and a connection
+    # past it waits for the client's SYN retransmission (seconds on a busy box).
+    slots = asyncio.Semaphore(5)
+
+    async def limited(key: str) -> Answer:
+        async with slots:
+            return await call(base, key, key)
+
+    async with asyncio.timeout(DEADLINE_S):
+        firsts = await asyncio.gather(*(limited(key) for key in keys))
+        retries = await asyncio.gather(*(limited(key) for key in keys))
+    assert all(a.status == 201 and not a.replayed for a in firsts)
+    assert len({a.body for a in firsts}) == len(keys)
+    assert [(a.status, a.body, a.replayed) for a in retries] == [
+        (201, a.body, True) for a in firsts
+    ]
+    assert app.count() == len(keys)
+
+
+async def test_concurrent_new_keys_share_statements(redis_url: str, pg_url: str) -> None:
+    """N requests with new keys in flight at once read their rows in a few statements and
+    store their responses in a few INSERTs (the Gateway's statement count), not 2N."""
+    n = 64
+    async with Gateway(redis_url, pg_url) as gw:
+        rules = Idempotency(kind="orders")
+
+        async def request(key: str) -> None:
+            lease = await rules.claim(gw, key, None)
+            assert not isinstance(lease, dedup._idempotency.Response)
+            await rules.settle(gw, lease, 201, [("Content-Type", "text/plain")], key.encode(), None)
+
+        before = gw.stats()
+        async with asyncio.timeout(DEADLINE_S):
+            await asyncio.gather(*(request(f"k{i}") for i in range(n)))
+        after = gw.stats()
+        assert after.db_rows_sent - before.db_rows_sent == n
+        assert 1 <= after.db_statements - before.db_statements < n // 4
+        assert after.db_errors == before.db_errors
+        for i in range(n):
+            answer = rules.cached(gw, f"k{i}", None)
+            assert answer is not None and answer.body == f"k{i}".encode()
+        assert len(await payloads(pg_url, "orders")) == n

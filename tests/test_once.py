@@ -431,3 +431,71 @@ async def test_once_beside_a_full_load_of_saves(gw: Gateway) -> None:
         )
     assert all(isinstance(r, str) and r.startswith("V") for results in ran for r in results)
     assert await gw.count_rows(["load", "job"]) == 64 * 100 + 20
+
+
+def _count_reads(gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Wrap the Gateway's sink so that each multi-row read is counted: the sizes of the
+    statements' key lists, one entry a statement."""
+    sink = gw._parts().default_sink
+    assert sink is not None
+    reads: list[int] = []
+    fetch_many = sink.fetch_many
+
+    async def counted(keys: Sequence[tuple[str, bytes]]) -> dict[tuple[str, bytes], str | None]:
+        reads.append(len(keys))
+        return await fetch_many(keys)
+
+    monkeypatch.setattr(sink, "fetch_many", counted)
+    return reads
+
+
+@pytest.mark.parametrize("database", ["postgresql", "sqlite"])
+async def test_concurrent_runs_share_their_reads_and_writes(
+    redis_url: str, pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, database: str
+) -> None:
+    """N concurrent runs of new values read their rows and write them in a few statements,
+    not 2N; each runs once, and a value whose row exists (no marker) among them is still
+    answered from its row, not run."""
+    url = pg_url if database == "postgresql" else f"sqlite:///{tmp_path / 'd.sqlite3'}"
+    n = 64
+    async with Gateway(redis_url, url, migrate=True) as first:
+        assert (await first.save("job", "v0", "saved before")).created
+    client = sync_redis.Redis.from_url(redis_url)  # v0: a row without a marker
+    client.flushall()
+    client.close()
+    async with Gateway(redis_url, url) as gw:
+        reads = _count_reads(gw, monkeypatch)
+        runs: Counter[str] = Counter()
+
+        @gw.once("job")
+        async def work(value: str) -> str:
+            runs[value] += 1
+            return value.upper()
+
+        before = gw.stats().db_statements
+        values = [f"v{i}" for i in range(n)]
+        async with asyncio.timeout(DEADLINE_S):
+            results = await asyncio.gather(*(work(v) for v in values))
+        assert results == ["saved before", *(v.upper() for v in values[1:])]
+        assert runs == Counter(values[1:])
+        assert sum(reads) == n and len(reads) < n // 4
+        statements = gw.stats().db_statements - before
+        assert 1 <= statements < n // 4
+        assert gw.stats().db_rows_sent >= n - 1
+        assert await gw.count_rows(["job"]) == n
+        assert [await gw.get("job", v) for v in values] == results
+
+
+async def test_two_rows_of_one_key_in_a_write_batch(gw: Gateway) -> None:
+    """Two runs of one key whose rows meet in one statement (possible only after a lost
+    lease): the first row is inserted, the other is told it was not, and reads it."""
+    from dedup._engine.once import _state
+
+    state = _state(gw, gw._parts())
+    digest = b"\x01" * 16
+    first = Row("job", digest, "v", '"first"')
+    second = Row("job", digest, "v", '"second"')
+    async with asyncio.timeout(DEADLINE_S):
+        assert list(await asyncio.gather(state.write(first), state.write(second))) == [True, False]
+        assert await state.fetch(("job", digest)) == (True, '"first"')
+        assert await state.fetch(("job", b"\x02" * 16)) == (False, None)

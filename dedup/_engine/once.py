@@ -33,13 +33,21 @@ import functools
 import inspect
 import logging
 import random
-from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Iterable
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    Awaitable,
+    Callable,
+    Hashable,
+    Iterable,
+)
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
 
 import orjson
 from redis.exceptions import MaxConnectionsError, RedisError
 
+from dedup._engine.write_stage import row_order, write_rows
 from dedup._values import encode_payload, validate_kind, validate_value
 from dedup.errors import DedupError, InvalidInput, Unavailable, WaitTimeout
 from dedup.types import Item, Row, SaveResult
@@ -63,6 +71,8 @@ log = logging.getLogger("dedup")
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
+_K = TypeVar("_K", bound=Hashable)
+_A = TypeVar("_A")
 
 # Busy values are looked at again after a jittered, growing pause: short at first (a
 # runner often finishes quickly), never longer than this, so a takeover after the
@@ -74,34 +84,38 @@ _POOL_RETRIES = 50
 _POOL_RETRY_S = 0.005
 
 
-class _Batched:
-    """One script's calls for one Gateway: every key asked for while a call is in flight
-    goes in the next call, and the calls of every :class:`_Batched` of a Gateway go one
-    at a time (``gate``): the Gateway's Redis pool is sized for its own stages and
-    raises rather than waits past its size, so these calls take one connection at
-    most, and retry for a moment when none is free."""
+class _Batched(Generic[_K, _A]):
+    """One kind of call for one Gateway, batched: every key asked for while a call is in
+    flight goes in the next call, one call at a time (so a batch grows with the load,
+    as the engine's claim and write queues do). Batchers given the same ``gate`` take
+    turns too: the Gateway's Redis pool is sized for its own stages and raises rather
+    than waits past its size, so the Redis batchers take one connection at most, and
+    retry for a moment when none is free. The database batchers need no gate: the
+    sink's pool waits for a free connection."""
 
     __slots__ = ("_gate", "_run", "_sender", "_waiting")
 
     def __init__(
-        self, run: Callable[[list[bytes]], Awaitable[list[str]]], gate: asyncio.Semaphore
+        self,
+        run: Callable[[list[_K]], Awaitable[list[_A]]],
+        gate: asyncio.Semaphore | None = None,
     ) -> None:
         self._run = run
         self._gate = gate
-        self._waiting: dict[bytes, list[asyncio.Future[str]]] = {}
+        self._waiting: dict[_K, list[asyncio.Future[_A]]] = {}
         self._sender: asyncio.Task[None] | None = None
 
-    async def __call__(self, key: bytes) -> str:
-        """The script's answer for ``key``; raises what the call raised."""
-        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    async def __call__(self, key: _K) -> _A:
+        """The call's answer for ``key``; raises what the call raised."""
+        fut: asyncio.Future[_A] = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(key, []).append(fut)
         if self._sender is None:
             self._sender = asyncio.get_running_loop().create_task(self._drain())
         return await fut
 
-    async def _call(self, keys: list[bytes]) -> list[str]:
+    async def _call(self, keys: list[_K]) -> list[_A]:
         # Under a full load of saves the Gateway's own stages may hold every pooled
-        # connection for a moment: wait for one rather than fail the run.
+        # Redis connection for a moment: wait for one rather than fail the run.
         for _ in range(_POOL_RETRIES):
             try:
                 return await self._run(keys)
@@ -109,14 +123,20 @@ class _Batched:
                 await asyncio.sleep(_POOL_RETRY_S)
         return await self._run(keys)
 
+    async def _gated_call(self, keys: list[_K]) -> list[_A]:
+        if self._gate is None:
+            return await self._call(keys)
+        async with self._gate:
+            return await self._call(keys)
+
     async def _drain(self) -> None:
+        batch: dict[_K, list[asyncio.Future[_A]]] = {}
         try:
             await asyncio.sleep(0)  # the callers of this tick join the first call
             while self._waiting:
                 batch, self._waiting = self._waiting, {}
                 try:
-                    async with self._gate:
-                        answers = await self._call(list(batch))
+                    answers = await self._gated_call(list(batch))
                 except Exception as exc:
                     for futs in batch.values():
                         for fut in futs:
@@ -130,11 +150,12 @@ class _Batched:
         finally:
             self._sender = None
             # Cancelled (the loop is closing): nobody answers the rest, so say so.
-            for futs in self._waiting.values():
-                for fut in futs:
-                    if not fut.done():
-                        fut.set_exception(DedupError("the Gateway's loop stopped"))
-            self._waiting.clear()
+            for waiting in (batch, self._waiting):
+                for futs in waiting.values():
+                    for fut in futs:
+                        if not fut.done():
+                            fut.set_exception(DedupError("the Gateway's loop stopped"))
+            self._waiting = {}
 
 
 class RunOnceState:
@@ -148,14 +169,18 @@ class RunOnceState:
     being run here waits for the run as a save in another process does, rather than
     re-claim the run's lease as its own and write the row under it.
 
-    ``reclaim`` claims a value whose saved marker outlived its row (see :func:`begin`).
+    ``claim``, ``commit``, ``abort`` and ``reclaim`` (see :func:`begin`) batch the
+    Redis scripts of concurrent runs; ``fetch`` batches their row reads (one
+    ``SELECT`` a batch) and ``write`` their rows (one key-sorted ``INSERT`` a batch,
+    as the write stage's), so that N concurrent runs cost a few statements, not 2N.
     """
 
-    __slots__ = ("abort", "claim", "commit", "reclaim", "running")
+    __slots__ = ("abort", "claim", "commit", "fetch", "reclaim", "running", "write")
 
     def __init__(self, parts: EngineParts) -> None:
         claims = parts.claims.under_own_token()
         gate = asyncio.Semaphore(1)
+        stats = parts.stats
 
         async def claim(keys: list[bytes]) -> list[str]:
             return list(await claims.claim(keys))
@@ -171,11 +196,41 @@ class RunOnceState:
         async def reclaim(keys: list[bytes]) -> list[str]:
             return list(await claims.reclaim(keys))
 
+        async def fetch(keys: list[tuple[str, bytes]]) -> list[tuple[bool, str | None]]:
+            sink = _default_sink(parts)
+            try:
+                found = await asyncio.wait_for(sink.fetch_many(keys), parts.write_timeout_s)
+            except Exception:
+                stats.db_errors += 1
+                raise
+            return [(key in found, found.get(key)) for key in keys]
+
+        async def write(rows: list[Row]) -> list[bool]:
+            # One row per key in a statement (two runs of one key can only meet here
+            # after a lost lease): the first decides, the others are not inserted by it.
+            first: dict[tuple[str, bytes], Row] = {}
+            for row in rows:
+                first.setdefault((row.kind, row.digest), row)
+            batch = sorted(first.values(), key=row_order)
+            stats.db_statements += 1
+            stats.db_rows_sent += len(batch)
+            try:
+                inserted = await write_rows(parts.sink, batch, parts.write_timeout_s)
+            except Exception:
+                stats.db_errors += 1
+                raise
+            return [
+                (row.kind, row.digest) in inserted and first[(row.kind, row.digest)] is row
+                for row in rows
+            ]
+
         self.running: dict[bytes, asyncio.Future[None]] = {}
         self.claim = _Batched(claim, gate)
         self.commit = _Batched(commit, gate)
         self.abort = _Batched(abort, gate)
         self.reclaim = _Batched(reclaim, gate)
+        self.fetch = _Batched(fetch)
+        self.write = _Batched(write)
 
 
 class RunOnceHost(Protocol):
@@ -223,16 +278,18 @@ def _default_sink(parts: EngineParts) -> DefaultSink:
     return sink
 
 
-async def _fetch(parts: EngineParts, kind: str, digest: bytes) -> tuple[bool, str | None]:
-    """The row of ``(kind, digest)``: whether it exists and its payload JSON, bounded by
-    the Gateway's write timeout."""
-    sink = _default_sink(parts)
+async def _fetch(
+    state: RunOnceState, parts: EngineParts, kind: str, digest: bytes
+) -> tuple[bool, str | None]:
+    """The row of ``(kind, digest)``: whether it exists and its payload JSON. The reads
+    of concurrent calls go to the database together (``state.fetch``), each statement
+    bounded by the Gateway's write timeout."""
+    _default_sink(parts)
     try:
-        return await asyncio.wait_for(sink.fetch(kind, digest), parts.write_timeout_s)
+        return await state.fetch((kind, digest))
     except (DedupError, asyncio.CancelledError):
         raise
     except Exception as exc:  # any driver error: the database did not answer
-        parts.stats.db_errors += 1
         raise Unavailable(f"the database read failed: {exc!r}", component="database") from None
 
 
@@ -329,20 +386,20 @@ class Lease:
         try:
             payload_json = encode_payload(result, parts.limits)
             row = Row(self.kind, self.digest, self.value, payload_json)
-            parts.stats.db_statements += 1
-            parts.stats.db_rows_sent += 1
             try:
-                inserted = set(await asyncio.wait_for(parts.sink([row]), parts.write_timeout_s))
+                # With the rows of concurrent runs: one statement for all of them.
+                inserted = await self._state.write(row)
+            except (DedupError, asyncio.CancelledError):
+                raise
             except Exception as exc:
-                parts.stats.db_errors += 1
                 raise Unavailable(
                     f"the database write failed: {exc!r}", component="database"
                 ) from None
             stored = payload_json
-            if (self.kind, self.digest) not in inserted:
+            if not inserted:
                 # Another runner wrote first (this one was paused past its lease):
                 # the row's payload is the answer, for this caller too.
-                stored = (await _fetch(parts, self.kind, self.digest))[1]
+                stored = (await _fetch(self._state, parts, self.kind, self.digest))[1]
         except BaseException:
             await self.fail()
             raise
@@ -396,14 +453,14 @@ async def begin(
     parts = gw._parts()
     digest = validate_value(value, parts.limits)
     _default_sink(parts)
+    state = _state(gw, parts)
     if (kind, digest) in parts.local:
-        exists, payload_json = await _fetch(parts, kind, digest)
+        exists, payload_json = await _fetch(state, parts, kind, digest)
         if exists:
             return Saved(_decode(payload_json))
         # The row was deleted after this process saw it saved: the entry is stale.
         parts.local.discard(kind, value, digest)
     key = parts.keys.key(kind, digest)
-    state = _state(gw, parts)
     running = state.running
     loop = asyncio.get_running_loop()
     bound_s = parts.wait_timeout_s if wait_s is None else wait_s
@@ -437,7 +494,7 @@ async def begin(
             letter = await _claim_letter(state.claim, key, parts)
             reclaimed = False
             if letter == "S":
-                exists, payload_json = await _fetch(parts, kind, digest)
+                exists, payload_json = await _fetch(state, parts, kind, digest)
                 if exists:
                     parts.local.add(kind, digest)
                     return Saved(_decode(payload_json))
@@ -452,7 +509,7 @@ async def begin(
                 lease = Lease(parts, kind, value, digest, key, state, mine, reclaimed=reclaimed)
                 # The row may exist with no marker (a plain save whose marker was lost,
                 # or a Redis that restarted empty): then the database has the answer.
-                exists, payload_json = await _fetch(parts, kind, digest)
+                exists, payload_json = await _fetch(state, parts, kind, digest)
                 if not exists:
                     handed_over = True
                     return lease
@@ -571,7 +628,8 @@ class RunOnceMixin:
         kind = validate_kind(kind)
         parts = self._parts()
         digest = validate_value(value, parts.limits)
-        return _decode((await _fetch(parts, kind, digest))[1])
+        _default_sink(parts)
+        return _decode((await _fetch(_state(self, parts), parts, kind, digest))[1])
 
     def filter(
         self: RunOnceHost,

@@ -51,6 +51,11 @@ PG_COUNT = "SELECT count(*) FROM dedup_items WHERE kind = ANY($1::text[])"
 PG_DELETE = "DELETE FROM dedup_items WHERE kind = ANY($1::text[])"
 PG_TABLE_EXISTS = "SELECT to_regclass('dedup_items') IS NOT NULL"
 PG_FETCH = "SELECT payload::text FROM dedup_items WHERE kind = $1 AND digest = $2"
+PG_FETCH_MANY = """
+SELECT i.kind, i.digest, i.payload::text
+FROM unnest($1::text[], $2::bytea[]) AS k (kind, digest)
+JOIN dedup_items AS i ON i.kind = k.kind AND i.digest = k.digest
+"""
 
 
 @functools.cache
@@ -108,6 +113,12 @@ class DefaultSink(Protocol):
 
     async def fetch(self, kind: str, digest: bytes) -> tuple[bool, str | None]:
         """Whether the row ``(kind, digest)`` exists, and its payload as JSON text."""
+
+    async def fetch_many(
+        self, keys: Sequence[tuple[str, bytes]]
+    ) -> dict[tuple[str, bytes], str | None]:
+        """The rows of ``keys`` that exist, in one statement: their payloads as JSON text,
+        by key (a key with no row is left out)."""
 
 
 async def pg_insert(
@@ -203,6 +214,15 @@ class PostgresSink:
         """Whether the row ``(kind, digest)`` exists, and its payload as JSON text."""
         record = await self._require_pool().fetchrow(PG_FETCH, kind, digest)
         return (False, None) if record is None else (True, record[0])
+
+    async def fetch_many(
+        self, keys: Sequence[tuple[str, bytes]]
+    ) -> dict[tuple[str, bytes], str | None]:
+        """The rows of ``keys`` that exist, in one statement: their payloads by key."""
+        records = await self._require_pool().fetch(
+            PG_FETCH_MANY, [k for k, _ in keys], [d for _, d in keys]
+        )
+        return {(rec[0], rec[1]): rec[2] for rec in records}
 
 
 class SqliteSink:
@@ -311,6 +331,25 @@ class SqliteSink:
         async with self._require_engine().connect() as conn:
             row = (await conn.execute(stmt)).first()
         return (False, None) if row is None else (True, row[0])
+
+    async def fetch_many(
+        self, keys: Sequence[tuple[str, bytes]]
+    ) -> dict[tuple[str, bytes], str | None]:
+        """The rows of ``keys`` that exist: their payloads by key (one statement per
+        8,000 keys, SQLite's bound on a statement's parameters)."""
+        import sqlalchemy as sa
+
+        items = _items()
+        found: dict[tuple[str, bytes], str | None] = {}
+        async with self._require_engine().connect() as conn:
+            for start in range(0, len(keys), _SQLITE_MAX_ROWS):
+                chunk = keys[start : start + _SQLITE_MAX_ROWS]
+                stmt = sa.select(items.c.kind, items.c.digest, items.c.payload).where(
+                    sa.tuple_(items.c.kind, items.c.digest).in_(chunk)
+                )
+                for row in (await conn.execute(stmt)).all():
+                    found[(str(row[0]), bytes(row[1]))] = row[2]
+        return found
 
 
 def open_sink(database_url: str, *, pool_size: int, statement_timeout_ms: int) -> DefaultSink:
