@@ -2,7 +2,7 @@
 middleware (dedup.asgi on Starlette/uvicorn, dedup.aiohttp, dedup.wsgi on Flask with
 a threading wsgiref server), in one run.
 
-    .venv/bin/python bench/middleware_bench.py [--seconds 3] [--concurrency 16] [--keys 200]
+    .venv/bin/python bench/middleware_bench.py [--seconds 3] [--concurrency 64] [--keys 200]
 
 Starts its own redis-server and PostgreSQL (see dedup.testing.servers). Each server runs in a
 process of its own (one worker); this process offers the load with aiohttp, a
@@ -181,7 +181,7 @@ async def _load(base: str, keys: list[str] | None, seconds: float, concurrency: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=64)  # as the HTTP benchmarks
     parser.add_argument("--keys", type=int, default=200)
     parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     args = parser.parse_args()
