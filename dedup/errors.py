@@ -6,7 +6,8 @@ that one class, or the precise subclass for the case they handle.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from redis.exceptions import LockError as _RedisLockError
+from redis.exceptions import LockNotOwnedError as _RedisLockNotOwnedError
 
 __all__ = [
     "ConfigError",
@@ -73,18 +74,62 @@ class ConfigError(DedupError, ValueError):
     """
 
 
-# The lock library's errors live with it (dedup.lock.errors); they are named here too, so
-# that ``from dedup.errors import LockError`` keeps working. Loaded on first use: the lock
-# package imports this module, so a plain import here would be a cycle.
-_LOCK_ERRORS = frozenset({"LockError", "LockNotOwned", "QuorumUnavailable", "StaleFence"})
-
-if TYPE_CHECKING:
-    from dedup.lock.errors import LockError, LockNotOwned, QuorumUnavailable, StaleFence
+# The lock library's errors, also redis-py's lock errors so that code written against
+# ``redis.asyncio.lock.Lock`` catches them unchanged. Defined here, in the one tree, so
+# that the lock library (which sits above this module) and the gateway import them
+# without a cycle; dedup.lock and dedup.lock.errors re-export them.
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LOCK_ERRORS:
-        from dedup.lock import errors
+class LockError(DedupError, _RedisLockError):
+    """Raised when a lock is not acquired within the time allowed, or is released,
+    extended or reacquired while this object does not hold it.
 
-        return getattr(errors, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    Also a ``redis.exceptions.LockError``; ``lock_name`` names the lock.
+    """
+
+
+class LockNotOwned(LockError, _RedisLockNotOwnedError):
+    """Raised when a release, extend or reacquire finds that the lock is no longer
+    held with this object's token (its lease ran out, or someone else took it).
+
+    Also a ``redis.exceptions.LockNotOwnedError``.
+    """
+
+
+class QuorumUnavailable(LockError):
+    """Raised when fewer Redlock nodes than the quorum answered, so that no lock can
+    be granted until more of them are reachable.
+
+    ``quorum`` is the number of votes needed, ``answered`` how many nodes answered
+    and ``errors`` maps each failed node (``host:port``) to what went wrong.
+    """
+
+    def __init__(
+        self, message: str, *, lock_name: str, quorum: int, answered: int, errors: dict[str, str]
+    ) -> None:
+        super().__init__(message, lock_name=lock_name)
+        self.quorum = quorum
+        self.answered = answered
+        self.errors = errors
+
+
+class StaleFence(DedupError):
+    """Raised when a fenced write carries a fence lower than one the protected
+    resource has already accepted: a newer holder of the lock wrote since.
+
+    Nothing was written. ``resource`` names what was protected and ``fence`` is the
+    rejected fence.
+    """
+
+    def __init__(self, message: str, *, resource: str, fence: int) -> None:
+        super().__init__(message)
+        self.resource = resource
+        self.fence = fence
+
+
+# Reprs, tracebacks and the docs name the lock errors where users import them from, as
+# for the rest of the lock library (dedup.lock sets the same), whichever module was
+# imported first.
+for _cls in (LockError, LockNotOwned, QuorumUnavailable, StaleFence):
+    _cls.__module__ = "dedup.lock"
+del _cls

@@ -1,12 +1,14 @@
 """Locks on Redis: :class:`Lock` (a drop-in for redis-py's asyncio ``Lock`` with a watchdog,
 reentrancy and fencing tokens) and :class:`Redlock` (one lock over N independent masters).
 
-The library stands on its own: it needs nothing of the gateway but the root of its error
-tree. :mod:`.lock` holds :class:`Lock`, :mod:`.gate` its in-process queue of blocked
-acquires, :mod:`.release` the listener that wakes waiters, :mod:`.batch` the shared
-writes that carry the lock calls of one turn of the loop, :mod:`.fence` the fencing
-helpers, :mod:`.redlock` :class:`Redlock`, :mod:`.scripts` the Lua and :mod:`.errors` the
-errors (also re-exported by :mod:`dedup.errors`).
+The library stands on its own: it needs nothing of the gateway but the error tree
+(:mod:`dedup.errors`, where its errors are defined). :mod:`.lock` holds :class:`Lock`,
+:mod:`.tokens` its tokens, :mod:`.watchdog` the renewal of its lease, :mod:`.gate` its
+in-process queue of blocked acquires, :mod:`.handover` the release that hands the lock to
+the first of them, :mod:`.release` the listener that wakes waiters, :mod:`.batch` the
+shared writes that carry the lock calls of one turn of the loop, :mod:`.fence` the
+fencing helpers, :mod:`.redlock` :class:`Redlock`, :mod:`.scripts` the Lua and
+:mod:`.errors` the errors (re-exported from :mod:`dedup.errors`).
 """
 
 from __future__ import annotations

@@ -39,7 +39,9 @@ expired or Redis restarted empty, the counter keeps them growing if the server's
 clock steps back by less than that memory. Every script runs on Redis 6.0.
 
 :class:`Redlock` (multi-master) lives in :mod:`dedup.lock.redlock`, the fence helpers in
-:mod:`dedup.lock.fence` and the release listener in :mod:`dedup.lock.release`; the package
+:mod:`dedup.lock.fence`, the release listener in :mod:`dedup.lock.release`, the handover
+to a waiter of the same client in :mod:`dedup.lock.handover`, the watchdog in
+:mod:`dedup.lock.watchdog` and the tokens in :mod:`dedup.lock.tokens`; the package
 :mod:`dedup.lock` re-exports the public names. Bad options raise
 :class:`dedup.errors.ConfigError` (also a ``ValueError``).
 """
@@ -47,21 +49,18 @@ clock steps back by less than that memory. Every script runs on Redis 6.0.
 from __future__ import annotations
 
 import asyncio
-import itertools
+import functools
 import logging
 import math
-import os
 import random
-import secrets
-import weakref
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from types import SimpleNamespace, TracebackType
 from typing import Any, Literal, Self
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.lock import Lock as RedisLock
-from redis.exceptions import ConnectionError, RedisError
+from redis.exceptions import ConnectionError
 from redis.exceptions import LockError as RedisLockError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -74,6 +73,7 @@ from dedup.lock.fence import (
     sibling_key,
 )
 from dedup.lock.gate import Contender, forget_gate, gate_for
+from dedup.lock.handover import hand_over
 from dedup.lock.release import (
     READY_TIMEOUT_S,
     RELEASE_CHANNEL,
@@ -85,12 +85,13 @@ from dedup.lock.scripts import (
     ACQUIRE,
     ACQUIRE_REENTRANT,
     EXTEND,
-    HANDOVER,
     OWNER,
     REACQUIRE,
     RELEASE,
     RELEASE_PLAIN,
 )
+from dedup.lock.tokens import new_token, task_token
+from dedup.lock.watchdog import Watchdog, renew_while_held
 
 __all__ = ["DEFAULT_FENCE_MEMORY_S", "Lock"]
 
@@ -102,46 +103,8 @@ grant after that starts it again from the server clock."""
 
 _ACQUIRE, _ACQUIRE_REENTRANT = Script(ACQUIRE), Script(ACQUIRE_REENTRANT)
 _RELEASE, _RELEASE_PLAIN = Script(RELEASE), Script(RELEASE_PLAIN)
-_EXTEND, _REACQUIRE, _HANDOVER = Script(EXTEND), Script(REACQUIRE), Script(HANDOVER)
+_EXTEND, _REACQUIRE = Script(EXTEND), Script(REACQUIRE)
 _OWNER = Script(OWNER)
-
-
-# ---------------------------------------------------------------------------- tokens
-
-_TASK_TOKENS: weakref.WeakKeyDictionary[asyncio.Task[Any], bytes] = weakref.WeakKeyDictionary()
-
-
-# A token is this process's random prefix and a count: unique across processes and
-# hosts like a random token, without a call for 16 random bytes per acquire (~4 % of
-# an acquire and release's CPU). A token is no secret (redis-py's are uuid1); a child
-# forked from this process draws a prefix of its own.
-_token_prefix = b""
-_token_count = itertools.count()
-
-
-def _draw_token_prefix() -> None:
-    global _token_prefix, _token_count
-    _token_prefix = secrets.token_hex(10).encode()
-    _token_count = itertools.count()
-
-
-_draw_token_prefix()
-os.register_at_fork(after_in_child=_draw_token_prefix)
-
-
-def _new_token() -> bytes:
-    return b"%s%012x" % (_token_prefix, next(_token_count))
-
-
-def _task_token() -> bytes:
-    """The reentrant owner id of the current task: one per task, unique across processes."""
-    task = asyncio.current_task()
-    if task is None:
-        raise RuntimeError("a reentrant Lock must be acquired from an asyncio task")
-    token = _TASK_TOKENS.get(task)
-    if token is None:
-        token = _TASK_TOKENS[task] = _new_token()
-    return token
 
 
 # ------------------------------------------------------------------------------ gate
@@ -155,7 +118,7 @@ def _task_token() -> bytes:
 # p99 near redis-py's (docs/locks.md, "The hot name's p99"). The count travels with the
 # hold (a handover's grant carries it to the Lock that takes it), not with the queue of
 # waiters, which is forgotten whenever it is empty: two tasks taking turns empty it at
-# every handover.
+# every handover. Read here at each handover (bench/lock_bench.py sets it on this module).
 _HANDOVER_STREAK = 16
 
 # Errors after which a call's answer may be lost with the call run: never sent again
@@ -254,12 +217,7 @@ class Lock(RedisLock):
         # The handovers in a row within this client that ended in this object's hold
         # (0: won by its own attempt); the next handover counts on from it.
         self._streak = 0
-        # The watchdog is a timer until its first renewal is due (most holds end
-        # before), then a task.
-        self._watchdog_timer: asyncio.TimerHandle | None = None
-        self._watchdog_task: asyncio.Task[None] | None = None
-        self._holder_callback: tuple[asyncio.Task[Any], Callable[[asyncio.Task[Any]], None]] | None
-        self._holder_callback = None
+        self._watchdog = Watchdog()
         self._background: set[asyncio.Future[Any]] = set()
 
     def register_scripts(self) -> None:
@@ -303,22 +261,8 @@ class Lock(RedisLock):
 
         task.add_done_callback(done)
 
-    def _stop_watchdog(self) -> None:
-        if self._watchdog_timer is not None:
-            self._watchdog_timer.cancel()
-            self._watchdog_timer = None
-        if self._watchdog_task is not None:
-            self._watchdog_task.cancel()
-            self._watchdog_task = None
-        if self._holder_callback is not None:
-            # A long-lived holder task (a server's main loop, say) would otherwise
-            # collect one callback per hold.
-            holder, callback = self._holder_callback
-            holder.remove_done_callback(callback)
-            self._holder_callback = None
-
     def _clear(self) -> None:
-        self._stop_watchdog()
+        self._watchdog.stop()
         self.local.token = None
         self.fence = None
         self._depth = 0
@@ -384,79 +328,22 @@ class Lock(RedisLock):
 
     def _hand_over(self, token: bytes) -> asyncio.Future[int] | None:
         """Release by handing the lock to this client's contender for it, if one
-        waits: a future of 0 when done (handed over, or released because other
-        clients wait) or -1 when ``token`` does not hold the lock; None when nobody
-        here waits (nothing sent)."""
-        gate = gate_for(self.redis, self._key, create=False)
-        if gate is None:
-            return None
-        following = gate.contender
-        if (
-            following is None
-            or following.trying
-            or following.left
-            or following.grant is not None
-            or (following.promoted is not None and not following.promoted.done())
-            or following.token == token
-        ):
-            return None
+        waits (see :func:`dedup.lock.handover.hand_over`); None when nobody here waits
+        (nothing sent)."""
         streak = self._streak  # of this hold, which ``token`` is
-        yield_turn = streak >= _HANDOVER_STREAK
-        loop = asyncio.get_running_loop()
-        sent = loop.time()
-        following.trying = True  # nobody else hands it over meanwhile
-        keys = [self._key, self._fence_key, self._flag_key]
-        args = [
+        return hand_over(
+            self.redis,
+            [self._key, self._fence_key, self._flag_key],
             token,
-            following.token,
-            self._fence_memory_ms,
-            following.lease_ms,
-            "1" if yield_turn else "0",
-            RELEASE_CHANNEL,
-        ]
-        outcome: asyncio.Future[int] = loop.create_future()
+            streak=streak,
+            yield_turn=streak >= _HANDOVER_STREAK,
+            fence_memory_ms=self._fence_memory_ms,
+            release=self._release_later,
+        )
 
-        def answered(call: asyncio.Future[Any]) -> None:
-            following.trying = False
-            if call.cancelled():
-                outcome.cancel()
-                return
-            try:
-                reply = call.result()
-                status = int(reply[0])
-            except Exception as exc:  # an error, or an answer that is not the script's
-                # The outcome is unknown: the script may have given the lock to the
-                # follower's token (its reply was lost, or it failed after its SET),
-                # a grant nobody would know of; the follower's own attempts would
-                # fail on that token until its lease ran out (never, without one).
-                if not following.left:
-                    following.unsure = True  # it releases that token before trying again
-                elif not following.acquired:
-                    # It gave up meanwhile: release that token for it.
-                    self._spawn(self._release_call(following.token), "release an unsure handover")
-                # (Left holding the lock, it won it with its own attempt: the lock was
-                # free, so this handover gave nothing, and that hold is its own.)
-                outcome.set_exception(exc)
-                return
-            if status != 1:
-                if status == 0:
-                    # Yielded: the follower wins the lock, if at all, by its own
-                    # attempt, which starts a new streak.
-                    following.polite = True
-                outcome.set_result(status)
-                return
-            # A yield check that found no other client waiting starts a new streak.
-            handed = 1 if yield_turn else streak + 1
-            if following.left:
-                # It gave up while the handover was on its way: release its grant.
-                self._spawn(self._release_call(following.token), "release an unclaimed handover")
-            else:
-                following.grant = (int(reply[1]), sent, handed)
-                following.waiter.event.set()
-            outcome.set_result(0)
-
-        call_script(self.redis, _HANDOVER, keys, args).add_done_callback(answered)
-        return outcome
+    def _release_later(self, token: bytes, what: str) -> None:
+        """Release ``token`` in the background (``what`` names why, if it fails)."""
+        self._spawn(self._release_call(token), what)
 
     async def _release_call(self, token: bytes) -> int:
         """One release of ``token`` on the server: the holds left, -1 if not held."""
@@ -474,7 +361,7 @@ class Lock(RedisLock):
             self._depth += 1
             return
         # A previous hold through this object that was never released is over.
-        self._stop_watchdog()
+        self._watchdog.stop()
         self.local.token = token
         self.fence = fence
         self._depth = 1
@@ -482,29 +369,13 @@ class Lock(RedisLock):
         self.lost.clear()
         if self.watchdog:
             assert self.timeout  # checked in __init__
-            loop = asyncio.get_running_loop()
             # Nothing else until the first renewal is due: a short hold costs a
             # timer, cancelled by its release.
-            self._watchdog_timer = loop.call_at(
-                sent + self.timeout / 3, self._start_watchdog, token, sent, asyncio.current_task()
+            self._watchdog.arm(
+                sent + self.timeout / 3,
+                lambda: self.local.token == token,
+                functools.partial(self._watch, token, sent),
             )
-
-    def _start_watchdog(
-        self, token: bytes, granted_at: float, holder: asyncio.Task[Any] | None
-    ) -> None:
-        """The first renewal is due: start renewing, unless the hold is over."""
-        self._watchdog_timer = None
-        if self.local.token != token or (holder is not None and holder.done()):
-            return  # released, or the holding task ended: the lease runs out
-        watchdog = asyncio.ensure_future(self._watch(token, granted_at))
-        self._watchdog_task = watchdog
-        if holder is not None:
-
-            def holder_done(_: asyncio.Task[Any]) -> None:
-                watchdog.cancel()
-
-            holder.add_done_callback(holder_done)
-            self._holder_callback = (holder, holder_done)
 
     async def do_acquire(self, token: str | bytes) -> bool:
         """One attempt with ``token`` (redis-py's hook); True when granted."""
@@ -531,7 +402,7 @@ class Lock(RedisLock):
         if token is not None:
             raw = self._encode(token)
         else:
-            raw = _task_token() if self.reentrant else _new_token()
+            raw = task_token() if self.reentrant else new_token()
         if blocking is None:
             blocking = self.blocking
         if blocking_timeout is None:
@@ -736,7 +607,7 @@ class Lock(RedisLock):
             )
         if self._depth <= 1:
             # First, so that even a release that never reaches Redis ends the hold.
-            self._stop_watchdog()
+            self._watchdog.stop()
         # A future, not a task: the release goes on and settles this object if the
         # caller is cancelled.
         call = self._release_and_settle(token)
@@ -859,43 +730,21 @@ class Lock(RedisLock):
 
     # --------------------------------------------------------------- watchdog
     async def _watch(self, token: bytes, granted_at: float) -> None:
-        """Renew now and then every third of the lease; on failure retry sooner until the lease is
-        over; after the cap, let the lease run out. Ends by setting ``lost`` unless
-        cancelled (release, or the holding task ended)."""
+        """Renew the lease while held (:func:`dedup.lock.watchdog.renew_while_held`);
+        ends by setting ``lost`` unless cancelled (release, or the holding task ended)."""
         assert self.timeout  # checked in __init__
-        loop = asyncio.get_running_loop()
-        lease_s = float(self.timeout)
-        lease_end = granted_at + lease_s
-        cap_end = None if self.watchdog_cap_s is None else granted_at + self.watchdog_cap_s
-        delay = 0.0  # started when the first renewal is due
-        while True:
-            if delay:
-                await asyncio.sleep(delay)
-            sent = loop.time()
-            if cap_end is not None and sent >= cap_end:
-                break
-            # Bounded by the lease: a renewal that hangs (a partition, and redis-py's
-            # default of no socket timeout) must not hold ``lost`` back past the
-            # lease's end. Not shielded: the call is dropped (its write's connection
-            # closed if no other call shares it), and a renewal that reaches Redis
-            # anyway only lengthens a hold that this token can still release.
-            bound = asyncio.timeout_at(lease_end)
-            try:
-                async with bound:
-                    renewed = await self._eval(_REACQUIRE, [self._key], [token, self._lease_ms])
-            except (RedisError, OSError) as exc:  # OSError: TimeoutError included
-                logger.debug("lock %r: renewal failed: %r", self._lock_name(), exc)
-                renewed = None
-            if renewed == 1:
-                lease_end = sent + lease_s
-                delay = lease_s / 3
-                continue
-            if renewed == 0 or bound.expired() or loop.time() >= lease_end:
-                self._mark_lost(token)
-                return
-            delay = min(lease_s / 12, max(0.0, lease_end - loop.time()))
-        await asyncio.sleep(max(0.0, lease_end - loop.time()))
-        self._mark_lost(token)
+        await renew_while_held(
+            self.redis,
+            self._key,
+            token,
+            lease_s=float(self.timeout),
+            lease_ms=self._lease_ms,
+            granted_at=granted_at,
+            cap_s=self.watchdog_cap_s,
+            lost=functools.partial(self._mark_lost, token),
+            name=self._lock_name,
+            log=logger,
+        )
 
     # -------------------------------------------------------- context manager
     async def __aenter__(self) -> Self:
