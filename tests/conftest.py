@@ -276,7 +276,23 @@ _current_config: pytest.Config | None = None
 def pytest_configure(config: pytest.Config) -> None:
     global _current_config
     _current_config = config
+    _private_tmp(config)
     _use_redis_server(config)
+
+
+def _private_tmp(config: pytest.Config) -> None:
+    """Every temporary file of the run (pytest's own folders, the servers' data, the
+    services' metrics folders, in this process and in every process it starts) goes in
+    one folder, removed at the end: a run leaves nothing in /tmp, not even what a process
+    that a test SIGKILLs would have removed itself."""
+    if hasattr(config, "workerinput"):
+        return  # a pytest-xdist worker: the controller's folder, inherited through TMPDIR
+    folder = tempfile.mkdtemp(prefix="dedup-tests-")
+    # PostgreSQL runs as another user (postgres, when root) and keeps its data in here.
+    os.chmod(folder, 0o755)
+    os.environ["TMPDIR"] = folder
+    tempfile.tempdir = folder
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

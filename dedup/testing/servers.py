@@ -501,8 +501,10 @@ class PostgresCluster(_Managed):
         self._base = Path(tempfile.mkdtemp(prefix="dedup-pg-"))
         self.data_dir = self._base / "data"
         self.log_path = self._base / "postgres.log"
-        # Unix socket paths are limited to 107 bytes: keep this folder short.
-        self.socket_dir = Path(tempfile.mkdtemp(prefix="pg", dir="/tmp"))
+        # Unix socket paths are limited to 107 bytes: keep this folder short (in the
+        # temporary folder when its path is short, else in /tmp).
+        tmp = tempfile.gettempdir()
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="pg", dir=tmp if len(tmp) <= 48 else "/tmp"))
         if self._user is not None:
             os.chown(self._base, self._user.pw_uid, self._user.pw_gid)
             os.chown(self.socket_dir, self._user.pw_uid, self._user.pw_gid)
