@@ -490,6 +490,23 @@ async def test_chunked_body_over_the_limit_gets_413_and_a_close() -> None:
         assert handler.handled == []
 
 
+async def test_a_client_still_sending_a_refused_body_reads_its_413() -> None:
+    """The rest of a refused body, sent after the answer, is read and dropped: closed at
+    once, the socket would answer it with a reset, which discards the 413 the client had
+    not read yet (a client sending a large chunked body saw a broken pipe instead)."""
+    handler = Recorder()
+    async with serving(handler) as (_, port), connect(port) as client:
+        head = get("/echo", "Transfer-Encoding: chunked", method="POST")
+        await client.send(head + b"%x\r\n%s\r\n" % (LIMIT + 1, b"x" * (LIMIT + 1)))
+        await asyncio.sleep(0.3)  # the server has refused it by now (its 413 is on its way)
+        for _ in range(16):  # the client goes on sending, as it does not read yet
+            await client.send(b"%x\r\n%s\r\n" % (4096, b"y" * 4096))
+        reply = await client.reply()
+        assert (reply.status, reply.error_code()) == (413, "body_too_large")
+        assert await client.eof() == b""
+        assert handler.handled == []
+
+
 async def test_chunked_body_under_the_limit_arrives_whole() -> None:
     handler = Recorder()
     async with serving(handler) as (_, port), connect(port) as client:

@@ -58,6 +58,7 @@ MAX_LINE_BYTES = 8190
 MAX_HEADERS = 128
 """The most header lines a request may have."""
 _MAX_PIPELINED = 32  # requests parsed ahead of the one being answered: then reading pauses
+_LINGER_S = 2.0  # after a last answer, how long what the client still sends is read and dropped
 
 
 class Request:
@@ -425,7 +426,19 @@ class _Connection(asyncio.Protocol):
             )
         if not keep_alive:
             self._closing = True
+            self._linger(transport)
+
+    def _linger(self, transport: asyncio.Transport) -> None:
+        """Close after the last answer without losing it: shut the sending side (the
+        client reads the answer, then the end), read and drop what the client still
+        sends (the rest of a refused body) until it closes or :data:`_LINGER_S` passed.
+        Closed at once, the socket would answer those bytes with a reset, which can
+        reach the client before it read the answer."""
+        if not transport.can_write_eof():
             transport.close()
+            return
+        transport.write_eof()
+        self._server.loop.call_later(_LINGER_S, transport.close)
 
     # ------------------------------------------------------------------- server
 
