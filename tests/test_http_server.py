@@ -241,6 +241,25 @@ async def test_keep_alive_answers_every_request_on_one_connection() -> None:
         assert handler.paths() == [f"/ka/{n}" for n in range(5)]
 
 
+async def test_header_names_are_lower_case_and_values_read_as_utf_8() -> None:
+    """As aiohttp read them: a bearer token in UTF-8 compares as the text it is; bytes
+    that are not UTF-8 survive as surrogates (and match no token)."""
+    handler = Recorder()
+    async with serving(handler) as (_, port), connect(port) as client:
+        token = "Bearer t\N{LATIN SMALL LETTER O WITH DIAERESIS}ken"
+        await client.send(
+            get("/h", "X-Token: " + token)
+            .replace(b"X-Token: ", b"X-TOKEN: ")
+            .replace(token.encode("latin-1"), token.encode())
+            + get("/h", "X-Raw: a").replace(b"X-Raw: a", b"X-Raw: \xff")
+        )
+        assert (await client.reply()).status == 200
+        assert (await client.reply()).status == 200
+    first, second = handler.handled
+    assert first.headers["x-token"] == token
+    assert second.headers["x-raw"] == "\udcff"
+
+
 async def test_connection_close_from_the_client_is_honoured() -> None:
     handler = Recorder()
     async with serving(handler) as (_, port), connect(port) as client:

@@ -298,7 +298,8 @@ class _Connection(asyncio.Protocol):
                 400, "malformed_http", "the request is not valid HTTP/1.1 (header too long)"
             )
         key = name.decode("latin-1").lower()
-        text = value.decode("latin-1")
+        # As aiohttp reads them: a token or type in UTF-8 compares as the text it is.
+        text = value.decode("utf-8", "surrogateescape")
         known = self._headers.get(key)
         self._headers[key] = text if known is None else f"{known}, {text}"
 
