@@ -259,14 +259,20 @@ def started_service(workers: int, log_dir: Path) -> Iterator[str]:
             asyncio.run(_wait_ready(url, proc))
             yield url
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=30)
+            _stop(proc, timeout_s=60)
             log.close()
+
+
+def _stop(proc: subprocess.Popen[bytes], *, timeout_s: float) -> None:
+    """SIGTERM ``proc`` (a session leader) and wait; SIGKILL its group past ``timeout_s``."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
 
 async def _wait_ready(url: str, proc: subprocess.Popen[bytes], path: str = "/readyz") -> None:
@@ -376,12 +382,7 @@ def started_bare(kind: str) -> Iterator[str]:
         asyncio.run(_wait_ready(url, proc, path="/healthz"))
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        _stop(proc, timeout_s=30)
 
 
 # -------------------------------------------------------------------------- main

@@ -225,7 +225,7 @@ class _Service:
             if route.json_body:
                 _check_json_head(request, self.max_body_bytes)
         except _ApiError as exc:
-            return self._count(request, exc.response())
+            return self._count(request.path if route else "other", request, exc.response())
         request.route = handler
         return None
 
@@ -239,7 +239,7 @@ class _Service:
             log.exception("internal error answering %s %s", request.method, request.path)
             answer = _internal_error()
         if type(answer) is Response:
-            return self._count(request, answer)
+            return self._count(request.path, request, answer)
         return self._finish(request, answer)
 
     def refuse(self, status: int, code: str, message: str) -> Response:
@@ -256,11 +256,12 @@ class _Service:
         except Exception:
             log.exception("internal error answering %s %s", request.method, request.path)
             response = _internal_error()
-        return self._count(request, response)
+        return self._count(request.path, request, response)
 
-    def _count(self, request: Request, response: Response) -> Response:
-        path = request.path if request.path in self._routes else "other"
-        self.metrics.response(path, response.status, time.perf_counter() - request.started)
+    def _count(self, route: str, request: Request, response: Response) -> Response:
+        """Count ``response`` under ``route`` (a known path: :meth:`handle` only gets the
+        requests :meth:`head` routed; else ``"other"``)."""
+        self.metrics.response(route, response.status, time.perf_counter() - request.started)
         return response
 
     # ------------------------------------------------------------------- handlers

@@ -14,7 +14,6 @@ from dedup.types import Source
 
 __all__ = [
     "BATCH_PATH",
-    "CODE_FOR_STATUS",
     "ERRORS",
     "ERROR_CODES",
     "HEALTHZ_PATH",
@@ -103,12 +102,6 @@ ERROR_CODES: dict[str, str] = {
     for code, (status, meaning) in ERRORS.items()
 }
 """Every ``error.code`` the service sends, with its status and meaning."""
-
-CODE_FOR_STATUS: dict[int, str] = {
-    status: code for code, (status, _) in reversed(ERRORS.items()) if status is not None
-}
-"""The code of an error status raised by the HTTP layer itself (404, 405, 413...): the
-first code listed in :data:`ERRORS` for that status."""
 
 
 def _error_response(description: str, *, retry_after: bool = False) -> dict[str, Any]:
