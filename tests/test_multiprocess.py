@@ -32,21 +32,29 @@ def _spawn(job: dict[str, Any]) -> subprocess.Popen[str]:
 
 
 def read_line(proc: subprocess.Popen[str], timeout: float = 30) -> str:
-    """One line of the child's stdout, bounded in time."""
+    """One whole line of the child's stdout, bounded in time.
+
+    The pipe is read without blocking, and a text readline on a non-blocking
+    pipe may return part of a line when the rest has not arrived yet: the
+    parts are joined until the newline comes."""
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
+    parts: list[str] = []
     os.set_blocking(proc.stdout.fileno(), False)
     try:
         while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if line:
-                return line.strip()
+            part = proc.stdout.readline()
+            if part:
+                parts.append(part)
+                if part.endswith("\n"):
+                    return "".join(parts).strip()
+                continue
             if proc.poll() is not None:
-                raise AssertionError(f"child exited with {proc.returncode}")
+                raise AssertionError(f"child exited with {proc.returncode}: {''.join(parts)!r}")
             time.sleep(0.02)
     finally:
         os.set_blocking(proc.stdout.fileno(), True)
-    raise AssertionError("child did not answer in time")
+    raise AssertionError(f"child did not answer in time: {''.join(parts)!r}")
 
 
 @pytest.fixture
