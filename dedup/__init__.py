@@ -7,6 +7,7 @@ in :mod:`dedup.lock`.
 """
 
 from dedup.errors import (
+    CannotForget,
     ConfigError,
     DedupError,
     InvalidInput,
@@ -21,6 +22,7 @@ from dedup.types import BatchWriter, Item, Row, SaveResult, Source
 
 __all__ = [
     "BatchWriter",
+    "CannotForget",
     "ConfigError",
     "DedupError",
     "Gateway",

@@ -10,6 +10,7 @@ from redis.exceptions import LockError as _RedisLockError
 from redis.exceptions import LockNotOwnedError as _RedisLockNotOwnedError
 
 __all__ = [
+    "CannotForget",
     "ConfigError",
     "DedupError",
     "InvalidInput",
@@ -63,6 +64,16 @@ class WaitTimeout(DedupError):
 
 class Overloaded(DedupError):
     """Raised when the gateway sheds load instead of queueing without bound."""
+
+
+class CannotForget(DedupError):
+    """Raised when :meth:`dedup.Gateway.forget` (or ``forget_many``, ``prune``) is asked of
+    a Gateway that cannot erase a value: approximate (Bloom) mode, whose filter cannot
+    delete a member (the value would keep answering "probably saved" with no row), or a
+    custom sink, whose rows dedup cannot delete.
+
+    Nothing was deleted.
+    """
 
 
 class ConfigError(DedupError, ValueError):

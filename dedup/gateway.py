@@ -24,8 +24,9 @@ and closes the servers and connections, :mod:`dedup._engine.wiring` wires the st
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from hashlib import blake2b
+from time import monotonic
 from types import TracebackType
 from typing import Any, NamedTuple, Unpack, get_args
 
@@ -134,6 +135,10 @@ class Gateway(RunOnceMixin):
             self._engine = Engine(
                 asyncio.get_running_loop(), self.options, self._backends, self._local, self._stats
             )
+            if not self._engine.degraded.active:
+                # The local tier answers only while its invalidation channel is heard:
+                # wait (briefly) for that, so that repeats are local from the start.
+                await self._engine.invalidations.ready(self.options.redis_timeout_s)
         except BaseException:
             await self._backends.aclose()
             self._state = "closed"
@@ -227,7 +232,8 @@ class Gateway(RunOnceMixin):
             self._kind_ok(validate_kind(kind))
         if type(value) is not str:
             validate_value(value, self._limits)
-        if payload is None and self._state == "open":
+        local_ok = monotonic() < self._local.until  # the tier hears its invalidations
+        if payload is None and local_ok and self._state == "open":
             # A repeat of a value lately answered locally, found by its text (SavedCache
             # fronts): the same text was checked then, so it is valid now.
             front = self._local.fronts.get(kind)
@@ -245,7 +251,7 @@ class Gateway(RunOnceMixin):
         if self._state != "open" or self._engine is None:
             raise DedupError(f"the Gateway is {self._state}, not open")
         salt = self._local.salts.get(kind)
-        if salt is not None:  # the local tier, inline (SavedCache.__contains__): most answers
+        if salt is not None and local_ok:  # the tier inline (SavedCache.__contains__)
             saved = self._local.entries
             local_key = salt ^ int.from_bytes(digest, "little")
             if saved.pop(local_key, 0) is None:  # found: now the most recently used
@@ -322,6 +328,80 @@ class Gateway(RunOnceMixin):
             raise error
         return results
 
+    async def forget(self, kind: str, value: str) -> bool:
+        """Forget ``value`` of ``kind``: delete its row, clear its marker and take it out
+        of every gateway's local tier; True if a row was deleted.
+
+        Returns after the row is gone (about a second: every gateway must have read the
+        invalidation first; see the Guarantees page). A save racing it ends with the row
+        and its marker, or with neither. A save of the value in flight ends first.
+        Raises :class:`InvalidInput`, :class:`Unavailable` (also while degraded: Redis
+        must be reachable), :class:`WaitTimeout`, :class:`CannotForget` (approximate
+        mode, a custom sink), or :class:`DedupError` when the Gateway is not open.
+        """
+        return (await self.forget_many([(kind, value)]))[0]
+
+    async def forget_many(self, items: Iterable[tuple[str, str]]) -> list[bool]:
+        """:meth:`forget` of many values at once (one wait for them all); one bool per
+        item, in order: True where this call deleted a row (a value given twice is
+        True once). Every item is validated first: one bad item raises
+        :class:`InvalidInput` naming its index, and nothing is forgotten."""
+        if isinstance(items, str | bytes | dict) or not hasattr(items, "__iter__"):
+            raise InvalidInput(
+                f"items must be an iterable of (kind, value) tuples, not {type(items).__name__}",
+                field="items",
+            )
+        checked: list[tuple[str, bytes]] = []
+        for index, item in enumerate(items):
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise InvalidInput("each item must be a tuple (kind, value)", index=index)
+            kind = validate_kind(item[0], index)
+            checked.append((kind, validate_value(item[1], self._limits, index)))
+        forgetter = self._require_engine().forgetter
+        forgetter.check()
+        by_kind: dict[str, list[bytes]] = {}
+        for kind, digest in checked:
+            digests = by_kind.setdefault(kind, [])
+            digests.append(digest)
+        deleted: dict[str, set[bytes]] = {}
+        for kind, digests in by_kind.items():
+            deleted[kind] = await forgetter.forget(kind, list(dict.fromkeys(digests)))
+        results: list[bool] = []
+        for kind, digest in checked:
+            gone = deleted[kind]
+            results.append(digest in gone)
+            gone.discard(digest)  # a value given twice: True for the first only
+        return results
+
+    async def prune(
+        self,
+        kind: str,
+        older_than_s: float,
+        *,
+        batch_size: int = 1000,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """Forget every value of ``kind`` whose row is older than ``older_than_s`` seconds
+        (by the database's clock), in batches of ``batch_size``; returns how many rows
+        were deleted. Each batch is a :meth:`forget_many`: markers and local entries go
+        too, and it is safe while the fleet saves (a row saved after the cutoff is never
+        deleted). ``progress(done, total)`` is called after each batch. Stopped midway,
+        it can simply be run again: it goes on with the rows left."""
+        kind = validate_kind(kind)
+        if (
+            isinstance(older_than_s, bool)
+            or not isinstance(older_than_s, int | float)
+            or not (0 < older_than_s < float("inf"))
+        ):
+            raise InvalidInput(
+                "older_than_s must be a positive number of seconds", field="older_than_s"
+            )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise InvalidInput("batch_size must be a positive int", field="batch_size")
+        return await self._require_engine().forgetter.prune(
+            kind, older_than_s, batch_size=batch_size, progress=progress
+        )
+
     async def purge(self, kinds: Sequence[str]) -> None:
         """Delete this namespace's Redis keys and the default table's rows of ``kinds``.
 
@@ -379,6 +459,12 @@ class Gateway(RunOnceMixin):
             write_timeout_s=self.options.write_timeout_s,
             degraded=lambda: engine.degraded.active,
         )
+
+    def _require_engine(self) -> Engine:
+        engine = self._engine
+        if self._state != "open" or engine is None:
+            raise DedupError(f"the Gateway is {self._state}, not open")
+        return engine
 
     def _require_default_sink(self) -> DefaultSink:
         if self._backends.default_sink is None or self._state != "open":

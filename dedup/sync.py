@@ -270,6 +270,43 @@ class SyncGateway:
             items = list(items)  # in the caller's thread: a generator must not run on the loop
         return self._call(self._gateway.save_many(items), timeout_s)
 
+    def forget(self, kind: str, value: str, *, timeout_s: float | None = None) -> bool:
+        """Forget ``value`` of ``kind`` everywhere; True if a row was deleted (as
+        :meth:`Gateway.forget`, which takes about a second)."""
+        return self._call(self._gateway.forget(kind, value), self._forget_bound(timeout_s))
+
+    def forget_many(
+        self, items: Iterable[tuple[str, str]], *, timeout_s: float | None = None
+    ) -> list[bool]:
+        """Forget many values at once; one bool per item (as :meth:`Gateway.forget_many`)."""
+        if isinstance(items, Iterable) and not isinstance(items, str | bytes | dict | list | tuple):
+            items = list(items)  # in the caller's thread: a generator must not run on the loop
+        return self._call(self._gateway.forget_many(items), self._forget_bound(timeout_s))
+
+    def prune(
+        self,
+        kind: str,
+        older_than_s: float,
+        *,
+        batch_size: int = 1000,
+        progress: Callable[[int, int], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Forget the rows of ``kind`` older than ``older_than_s`` seconds (as
+        :meth:`Gateway.prune`; ``progress`` is called on the loop thread). Unbounded in
+        time unless ``timeout_s`` is given."""
+        return self._call(
+            self._gateway.prune(kind, older_than_s, batch_size=batch_size, progress=progress),
+            threading.TIMEOUT_MAX if timeout_s is None else timeout_s,
+        )
+
+    def _forget_bound(self, timeout_s: float | None) -> float:
+        """A forget waits about a second for every gateway by design: the call's bound is
+        at least that plus the Gateway's own waits."""
+        if timeout_s is not None:
+            return timeout_s
+        return max(self._timeout_s, self._gateway.options.wait_timeout_s + 5.0)
+
     def get(self, kind: str, value: str, *, timeout_s: float | None = None) -> Any:
         """The payload saved with ``value`` of ``kind``, or None (as :meth:`Gateway.get`)."""
         return self._call(self._gateway.get(kind, value), timeout_s)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import math
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -88,9 +90,80 @@ def test_deep_payload_is_rejected() -> None:
         encode_payload(deep, Limits(max_value_bytes=10, max_payload_bytes=10_000))
 
 
+def _heard(cache: SavedCache) -> SavedCache:
+    """A tier that may answer (as while its invalidation channel is heard)."""
+    cache.until = math.inf
+    return cache
+
+
+def test_saved_cache_answers_only_while_its_channel_is_heard() -> None:
+    # A tier whose invalidation channel is not proved heard (until in the past) answers
+    # nothing, but still learns; it answers again once the channel is heard.
+    cache = SavedCache(10)
+    item = ("k", digest("a"))
+    cache.add(*item)
+    assert not cache.answering() and item not in cache
+    cache.until = time.monotonic() + 60
+    assert cache.answering() and item in cache
+    cache.until = time.monotonic() - 1
+    assert item not in cache
+
+
+def test_saved_cache_invalidate_drops_values_and_refuses_late_adds() -> None:
+    # An invalidation drops a value by its entry and by its text; an answer to a
+    # request sent before it (an older stamp) does not add the value back, one sent
+    # after it does; other values and kinds are not touched.
+    cache = _heard(SavedCache(100))
+    gone, kept = digest("gone"), digest("kept")
+    for d, text in ((gone, "gone"), (kept, "kept")):
+        cache.add("k", d)
+        cache.promote("k", text, cache.key("k", d))
+    cache.add("other", gone)
+    before = cache.stamp()
+    cache.invalidate("k", [gone])
+    assert ("k", gone) not in cache and "gone" not in cache.fronts["k"]
+    assert ("k", kept) in cache and "kept" in cache.fronts["k"] and ("other", gone) in cache
+    cache.add("k", gone, before)  # a claim sent before the invalidation: refused
+    cache.add_many("k", [gone], before)
+    assert ("k", gone) not in cache
+    cache.add("k", kept, before)  # another value: not invalidated, so added
+    assert ("k", kept) in cache
+    cache.add("k", gone, cache.stamp())  # sent after it: the value was saved again
+    assert ("k", gone) in cache
+
+
+def test_saved_cache_reset_refuses_every_older_stamp() -> None:
+    # After a reset (the channel was lost: invalidations may have been missed), the
+    # tier is empty and answers to requests sent before it add nothing.
+    cache = _heard(SavedCache(100))
+    a, b = digest("a"), digest("b")
+    cache.add("k", a)
+    old = cache.stamp()
+    cache.reset()
+    assert len(cache) == 0
+    cache.add("k", b, old)
+    assert ("k", b) not in cache
+    cache.add("k", b, cache.stamp())
+    assert ("k", b) in cache
+
+
+def test_saved_cache_forgets_old_invalidations_but_refuses_what_it_cannot_judge() -> None:
+    # The invalidations remembered are bounded; a stamp older than the oldest one still
+    # remembered cannot be judged, so what it brings is refused.
+    cache = _heard(SavedCache(10))
+    old = cache.stamp()
+    for i in range(70_000):
+        cache.invalidate("k", [i.to_bytes(16, "big")])
+    recent = cache.stamp()
+    cache.add("k", digest("never invalidated"), old)
+    assert ("k", digest("never invalidated")) not in cache
+    cache.add("k", digest("never invalidated"), recent)
+    assert ("k", digest("never invalidated")) in cache
+
+
 def test_saved_cache_is_a_bounded_lru() -> None:
     a, b, c, d = (("k", digest(v)) for v in "abcd")
-    cache = SavedCache(3)
+    cache = _heard(SavedCache(3))
     for item in (a, b, c):
         cache.add(*item)
     assert a in cache  # a is now the most recent
@@ -99,7 +172,7 @@ def test_saved_cache_is_a_bounded_lru() -> None:
     assert b not in cache
     assert all(item in cache for item in (a, c, d))
     assert ("other-kind", a[1]) not in cache  # the same value of another kind is another entry
-    disabled = SavedCache(0)
+    disabled = _heard(SavedCache(0))
     disabled.add(*a)
     assert a not in disabled and len(disabled) == 0
     with pytest.raises(ValueError):
@@ -110,7 +183,7 @@ def test_saved_cache_fronts_keep_answered_values_by_text_bounded() -> None:
     # A value answered from the tier is kept by its text too (values of up to 128
     # characters); the fronts never hold more than 8,192 values (nor more than the
     # tier's size), are emptied when full, and cleared with the tier.
-    cache = SavedCache(100_000)
+    cache = _heard(SavedCache(100_000))
     key, other = cache.key("k", b"\x01" * 16), cache.key("other", b"\x01" * 16)
     cache.promote("k", "a@example.com", key)
     cache.promote("k", "a@example.com", key)  # once is enough
@@ -124,11 +197,11 @@ def test_saved_cache_fronts_keep_answered_values_by_text_bounded() -> None:
     assert cache.fronts == {"k": {"one more": key}}
     cache.clear()
     assert cache.fronts == {}
-    small = SavedCache(3)
+    small = _heard(SavedCache(3))
     for v in "abcd":
         small.promote("k", v, small.key("k", v.encode() * 16))
     assert sum(map(len, small.fronts.values())) <= 3
-    disabled = SavedCache(0)
+    disabled = _heard(SavedCache(0))
     disabled.promote("k", "a", 1)
     assert disabled.fronts == {}
 
@@ -138,7 +211,7 @@ def test_saved_cache_fronts_keep_their_values_in_the_tier() -> None:
     # in values enough to evict it; when the fronts are emptied, their values are made
     # the most recently used in the tier again (added back if evicted), so that the
     # value is still a local answer afterwards, not a first sighting sent to Redis.
-    cache = SavedCache(20_000)
+    cache = _heard(SavedCache(20_000))
     hot = (b"\xaa" * 16, b"\xbb" * 16)
     for d in hot:
         cache.add("k", d)
@@ -159,7 +232,7 @@ def test_saved_cache_fronts_keep_their_values_in_the_tier() -> None:
 def test_saved_cache_discard_forgets_a_value_by_entry_and_by_text() -> None:
     # A value whose row was deleted (run-once forgets it): neither the tier nor the
     # fronts answer it any more; other values, and other kinds, stay.
-    cache = SavedCache(100)
+    cache = _heard(SavedCache(100))
     gone, kept = digest("gone"), digest("kept")
     for d, text in ((gone, "gone"), (kept, "kept")):
         cache.add("k", d)
@@ -175,7 +248,7 @@ def test_saved_cache_discard_forgets_a_value_by_entry_and_by_text() -> None:
 def test_saved_cache_add_many_is_add_in_bulk() -> None:
     # The fleet's saved values are learned in bulk: the same entries, order and bound
     # as one add each.
-    one, bulk = SavedCache(100), SavedCache(100)
+    one, bulk = _heard(SavedCache(100)), _heard(SavedCache(100))
     digests = [digest(f"v{i}") for i in range(250)]
     one.add("k", digests[0])
     bulk.add("k", digests[0])
@@ -187,7 +260,7 @@ def test_saved_cache_add_many_is_add_in_bulk() -> None:
     assert list(bulk.entries) == list(one.entries)
     assert ("k", digests[-1]) in bulk and ("k", digests[0]) not in bulk
     assert ("other", digests[-1]) not in bulk
-    disabled = SavedCache(0)
+    disabled = _heard(SavedCache(0))
     disabled.add_many("k", digests)
     assert len(disabled) == 0
 
@@ -196,7 +269,7 @@ def test_saved_cache_evicts_least_recently_used_first_and_stays_bounded() -> Non
     # A large cache evicts its oldest keys 1/64 of its size at a time: never more than
     # maxsize entries, and never a key used more recently than one it keeps.
     size = 6400
-    cache = SavedCache(size)
+    cache = _heard(SavedCache(size))
     items = [("k", digest(f"v{i}")) for i in range(3 * size)]
     for item in items[:size]:
         cache.add(*item)

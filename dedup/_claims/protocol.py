@@ -45,6 +45,8 @@ from dedup._claims.scripts import (
     COMMIT,
     COMMIT_BLOOM,
     COMMIT_COMPACT,
+    FORGET,
+    FORGET_RELEASE,
     RECLAIM,
 )
 from dedup._redis.connect import info_of_every_node
@@ -79,6 +81,8 @@ class _Scripts:
         "commit_bloom",
         "commit_compact",
         "cross",
+        "forget",
+        "forget_release",
         "reclaim",
         "variant",
     )
@@ -93,9 +97,18 @@ class _Scripts:
         self.claim_bloom = Script(render(CLAIM_BLOOM, variant))
         self.commit_bloom = Script(render(COMMIT_BLOOM, variant))
         self.reclaim = Script(render(RECLAIM, variant))
+        self.forget = Script(render(FORGET, variant))
+        self.forget_release = Script(render(FORGET_RELEASE, variant))
         # The scripts that answer a letter per key (a cluster batch's answers are merged
         # back into key order for these).
-        self.claims = (self.claim, self.claim_compact, self.claim_bloom, self.reclaim)
+        self.claims = (
+            self.claim,
+            self.claim_compact,
+            self.claim_bloom,
+            self.reclaim,
+            self.forget,
+            self.forget_release,
+        )
         every = (*self.claims, self.commit, self.abort, self.commit_compact, self.commit_bloom)
         # Each script's cluster form: one call per node for keys of many slots.
         self.cross = {script: Script(cross_slot(script.source, variant)) for script in every}
@@ -343,6 +356,37 @@ class Claims:
         scripts = await self._variant_scripts()
         results = await self._run(scripts.reclaim, keys, lambda ks: (ks, args))
         return "".join(r.decode() if isinstance(r, bytes) else r for r in results)
+
+    async def forget(self, keys: Sequence[bytes], token: str) -> str:
+        """Hold ``keys`` for a forget under ``token`` (which starts with ``F``) and clear
+        their markers: one letter per key, ``W`` held (markers cleared) or ``B`` busy (a
+        save's lease: its write must end first). Held again, a key's lease is extended.
+        Not for approximate mode, whose markers cannot be cleared one by one."""
+        assert token.startswith("F") and self._bloom is None
+        scripts = await self._variant_scripts()
+        if self.layout == "keys":
+            head: list[Any] = [token, self._lease, 1, 0]
+            build: Callable[[Sequence[bytes]], _Call] = lambda ks: (ks, head)  # noqa: E731
+        else:
+            reads, _ = self.generations()
+            locator = self._markers.locator
+            fixed = [token, self._lease, self._markers.buckets_per_tag, len(reads), *reads]
+            build = lambda ks: (ks, [*fixed, *map(locator, ks)])  # noqa: E731
+        results = await self._run(scripts.forget, keys, build)
+        return "".join(r.decode() if isinstance(r, bytes) else r for r in results)
+
+    async def forget_release(self, keys: Sequence[bytes], token: str) -> str:
+        """Release a forget's hold on ``keys``: one letter per key, ``1`` released, ``0``
+        lost (its lease ran out meanwhile)."""
+        args = (token,)
+        scripts = await self._variant_scripts()
+        results = await self._run(scripts.forget_release, keys, lambda ks: (ks, args))
+        return "".join(r.decode() if isinstance(r, bytes) else r for r in results)
+
+    @property
+    def lease_ms(self) -> int:
+        """The lease a claim (or a forget's hold) sets, in milliseconds."""
+        return self._lease
 
     async def states(self, keys: Sequence[bytes]) -> str:
         """One letter per key, read without writing (for tests, tools and debugging, not

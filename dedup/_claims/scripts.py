@@ -38,6 +38,8 @@ __all__ = [
     "COMMIT",
     "COMMIT_BLOOM",
     "COMMIT_COMPACT",
+    "FORGET",
+    "FORGET_RELEASE",
     "RECLAIM",
 ]
 
@@ -82,16 +84,20 @@ COMMIT = """
 -- The row is durable, so the key becomes "saved" whoever holds it now: a lost
 -- lease is not an error, and marking it saved only spares the next claimant a
 -- redundant insert.
+-- A key held by a forget (a token starting with "F") stays as it is: the forget
+-- deletes the row after this commit, and a marker set now would outlive the row.
 local token, keep = ARGV[1], tonumber(ARGV[2])
 local held = 0
 for _, key in ipairs(KEYS) do
-  local old
-  if keep > 0 then
-    old = set_get(key, '1', 'PX', keep)
-  else
-    old = set_get(key, '1')
+  local cur = redis.call('GET', key)
+  if not (cur and string.byte(cur, 1) == 70) then
+    if keep > 0 then
+      redis.call('SET', key, '1', 'PX', keep)
+    else
+      redis.call('SET', key, '1')
+    end
+    if cur == token then held = held + 1 end
   end
-  if old == token then held = held + 1 end
 end
 return held
 """
@@ -162,12 +168,18 @@ local token, at, per_tag, gen = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), A
     + """
 local held = 0
 for i, key in ipairs(KEYS) do
-  local loc = ARGV[4 + i]
-  local b = bucket(key, loc, gen)
-  redis.call('HSET', b, string.sub(loc, 4), '1')
-  if getdel(key) == token then held = held + 1 end
-  if at > 0 and redis.call('PTTL', b) < 0 then
-    redis.call('PEXPIREAT', b, at)
+  local cur = redis.call('GET', key)
+  if not (cur and string.byte(cur, 1) == 70) then  -- "F": a forget holds it, see COMMIT
+    local loc = ARGV[4 + i]
+    local b = bucket(key, loc, gen)
+    redis.call('HSET', b, string.sub(loc, 4), '1')
+    if cur then
+      redis.call('DEL', key)
+      if cur == token then held = held + 1 end
+    end
+    if at > 0 and redis.call('PTTL', b) < 0 then
+      redis.call('PEXPIREAT', b, at)
+    end
   end
 end
 return held
@@ -279,6 +291,62 @@ for i = 1, #KEYS do
     out[i] = 'W'
   else
     out[i] = 'B'
+  end
+end
+return table.concat(out)
+"""
+
+FORGET = (
+    """
+-- KEYS: the lease keys of values to forget (n, each at most once)
+-- ARGV[1]: the forget's token (it starts with "F"); ARGV[2]: its lease in milliseconds;
+--   ARGV[3]: buckets per hash tag; ARGV[4]: g, the generations of compact markers to
+--   clear (0: the keys layout, whose marker is the lease key itself); ARGV[4+j]: their
+--   names; ARGV[4+g+i]: the locator of value i (compact layout only)
+-- Returns: one letter per key, in order: W = held by the forget, its markers cleared
+--   (a lease set over nothing or over a "1" marker, or extended because the token is
+--   the forget's own), B = busy (a save's lease, or another forget's: retry once it ends)
+-- While the forget's lease lasts, claims answer busy and commits leave the key alone
+-- (COMMIT, COMMIT_COMPACT), so no marker comes back before the row is deleted.
+local token, lease, per_tag = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local g = tonumber(ARGV[4])
+"""
+    + _BUCKET
+    + """
+local out = {}
+for i = 1, #KEYS do
+  local key = KEYS[i]
+  local v = redis.call('GET', key)
+  if v and v ~= '1' and v ~= token then
+    out[i] = 'B'
+  else
+    redis.call('SET', key, token, 'PX', lease)
+    if g > 0 then
+      local loc = ARGV[4 + g + i]
+      local field = string.sub(loc, 4)
+      for j = 1, g do
+        redis.call('HDEL', bucket(key, loc, ARGV[4 + j]), field)
+      end
+    end
+    out[i] = 'W'
+  end
+end
+return table.concat(out)
+"""
+)
+
+FORGET_RELEASE = """
+-- KEYS: lease keys a forget held while it deleted their rows
+-- ARGV[1]: the forget's token
+-- Returns: one letter per key, in order: 1 = released (still the forget's), 0 = lost
+--   (its lease ran out and something else happened meanwhile: forget the value again)
+local out = {}
+for i, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[1] then
+    redis.call('DEL', key)
+    out[i] = '1'
+  else
+    out[i] = '0'
   end
 end
 return table.concat(out)

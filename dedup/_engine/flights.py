@@ -28,7 +28,7 @@ class Flight:
     """One value on its way through claim, wait and write; shared by its callers."""
 
     __slots__ = ("backoff", "claimed_at", "deadline", "digest", "done", "key", "kind",
-                 "payload_json", "queued_until", "shared", "value", "waiters")  # fmt: skip
+                 "payload_json", "queued_until", "shared", "stamp", "value", "waiters")  # fmt: skip
 
     def __init__(
         self,
@@ -39,6 +39,7 @@ class Flight:
         payload_json: str | None,
         waiter: asyncio.Future[Source],
         deadline: float,
+        stamp: int = 0,
     ) -> None:
         self.key = key
         self.kind = kind
@@ -54,6 +55,9 @@ class Flight:
         self.backoff = 0.0
         self.queued_until = 0.0  # degraded mode: Overloaded if not written by then
         self.shared = False  # its row went to the fleet's writer once (dedup._engine.shared)
+        # The local tier's stamp at the start: an answer that comes after the value was
+        # invalidated (forgotten) is given, but not remembered (SavedCache.add).
+        self.stamp = stamp
 
     def row(self) -> Row:
         """The row whose insert saves this value."""
@@ -106,7 +110,14 @@ class FlightTable:
             raise Overloaded("too many saves in flight; retry later")
         fut: asyncio.Future[Source] = loop.create_future()
         flight = Flight(
-            key, kind, value, digest, payload_json, fut, loop.time() + self._wait_timeout_s
+            key,
+            kind,
+            value,
+            digest,
+            payload_json,
+            fut,
+            loop.time() + self._wait_timeout_s,
+            self._local.generation,
         )
         self.inflight[key] = flight
         self.start(flight)
@@ -124,7 +135,7 @@ class FlightTable:
         """The value is saved: answer every caller with ``source`` and remember it locally."""
         if self.inflight.get(f.key) is f:
             del self.inflight[f.key]
-        self._local.add(f.kind, f.digest)
+        self._local.add(f.kind, f.digest, f.stamp)
         f.done = True
         for waiter in f.waiters:
             if not waiter.done():  # a cancelled caller's future is done already

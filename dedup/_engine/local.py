@@ -42,6 +42,8 @@ values' entries are made the most recently used in the tier again.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
 from hashlib import blake2b
 from itertools import islice
 
@@ -52,6 +54,7 @@ _MAX_SALTS = 65_536  # memo of kinds' salts; clearing it loses nothing
 _EVICT_FRACTION = 64
 _FRONT_ENTRIES = 8192  # values kept by their text, all kinds together
 _FRONT_MAX_CHARS = 128  # longer values are found by their digest only (bounds its memory)
+_RECENT_MAX = 65_536  # invalidated entries remembered, to refuse what a late answer adds
 
 
 def kind_salt(kind: str) -> int:
@@ -67,8 +70,8 @@ class SavedCache:
     ``maxsize == 0`` disables the tier.
     """
 
-    __slots__ = ("_chunk", "_entries", "_front_left", "_front_size", "_fronts", "_salts",
-                 "maxsize")  # fmt: skip
+    __slots__ = ("_chunk", "_entries", "_floor", "_front_left", "_front_size", "_fronts",
+                 "_recent", "_salts", "generation", "maxsize", "until")  # fmt: skip
 
     def __init__(self, maxsize: int) -> None:
         if maxsize < 0:
@@ -80,6 +83,25 @@ class SavedCache:
         self._fronts: dict[str, dict[str, int]] = {}
         self._front_size = min(_FRONT_ENTRIES, maxsize)
         self._front_left = self._front_size
+        self.until = 0.0
+        """Until when (``time.monotonic()``) the tier may answer: set by
+        :class:`dedup._engine.invalidation.Invalidations` while this process provably
+        hears every invalidation published on its channel; 0 (never) until then."""
+        self.generation = 0
+        """Counts the invalidations (and resets) this tier applied: a :meth:`stamp`."""
+        self._recent: dict[int, int] = {}  # entry -> generation that invalidated it
+        self._floor = 0  # stamps below it cannot be judged: what adds they bring is refused
+
+    def answering(self) -> bool:
+        """Whether the tier may answer now (its invalidation channel is heard: see
+        :attr:`until`). A tier that may not answer still learns."""
+        return time.monotonic() < self.until
+
+    def stamp(self) -> int:
+        """The tier's :attr:`generation` now: taken before a request to Redis or the
+        database whose answer may add a value, and passed to :meth:`add` with it, so
+        that a value invalidated while that request was out is not added back."""
+        return self.generation
 
     @property
     def entries(self) -> dict[int, None]:
@@ -153,7 +175,7 @@ class SavedCache:
     def __contains__(self, item: tuple[str, bytes]) -> bool:
         kind, digest = item
         salt = self._salts.get(kind)
-        if salt is None:
+        if salt is None or time.monotonic() >= self.until:
             return False
         entries = self._entries
         key = salt ^ int.from_bytes(digest, "little")
@@ -165,26 +187,36 @@ class SavedCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, kind: str, digest: bytes) -> None:
-        """Remember a value as saved, evicting the least recently used keys past ``maxsize``."""
+    def add(self, kind: str, digest: bytes, since: int | None = None) -> None:
+        """Remember a value as saved, evicting the least recently used keys past ``maxsize``.
+
+        ``since`` is the :meth:`stamp` taken before the request that found the value
+        saved: if the value was invalidated after it (its row may be gone since), it is
+        not added. None: the caller knows no invalidation can have overtaken it.
+        """
         if not self.maxsize:
             return
         entries = self._entries
         key = self.key(kind, digest)
+        if since is not None and since != self.generation and self.invalidated_since(key, since):
+            return
         entries.pop(key, None)
         entries[key] = None
         if len(entries) > self.maxsize:
             self._evict()
 
-    def add_many(self, kind: str, digests: list[bytes]) -> None:
+    def add_many(self, kind: str, digests: list[bytes], since: int | None = None) -> None:
         """:meth:`add` of several values of one kind (the fleet's saved values, learned
         in bulk: one salt lookup and one eviction check for them all)."""
         if not self.maxsize or not digests:
             return
         entries, salt, from_bytes = self._entries, self._salt(kind), int.from_bytes
         pop = entries.pop
+        judge = since is not None and since != self.generation
         for digest in digests:
             key = salt ^ from_bytes(digest, "little")
+            if judge and self.invalidated_since(key, since):  # type: ignore[arg-type]
+                continue
             pop(key, None)
             entries[key] = None
         if len(entries) > self.maxsize:
@@ -199,6 +231,41 @@ class SavedCache:
         front = self._fronts.get(kind)
         if front is not None and front.pop(value, None) is not None:
             self._front_left += 1
+
+    def invalidated_since(self, key: int, since: int) -> bool:
+        """Whether entry ``key`` may have been invalidated after stamp ``since``."""
+        return since < self._floor or self._recent.get(key, 0) > since
+
+    def invalidate(self, kind: str, digests: Iterable[bytes]) -> None:
+        """Forget values of ``kind`` by their digests (their rows are being deleted):
+        this process stops answering them as saved, and refuses to add them back from an
+        answer whose request went out before now (see :meth:`add`)."""
+        self.generation = generation = self.generation + 1
+        salt, from_bytes = self._salt(kind), int.from_bytes
+        keys = {salt ^ from_bytes(d, "little") for d in digests}
+        pop, recent = self._entries.pop, self._recent
+        for key in keys:
+            pop(key, None)
+            recent.pop(key, None)  # re-inserted last: the dict stays in generation order
+            recent[key] = generation
+        front = self._fronts.get(kind)
+        if front is not None:
+            gone = [value for value, key in front.items() if key in keys]
+            for value in gone:
+                del front[value]
+            self._front_left += len(gone)
+        if len(recent) > _RECENT_MAX:
+            # Drop the oldest half; stamps from before what was dropped are refused.
+            for old in list(islice(recent, len(recent) // 2)):
+                self._floor = max(self._floor, recent.pop(old))
+
+    def reset(self) -> None:
+        """Forget every entry and refuse every stamp taken before now: for a process
+        that did not hear its invalidation channel for a while (it may have missed some)."""
+        self.clear()
+        self.generation += 1
+        self._floor = self.generation
+        self._recent.clear()
 
     def _evict(self) -> None:
         """Drop the least recently used keys past ``maxsize``, and a chunk more."""

@@ -357,8 +357,15 @@ class SharedWrites(SharedWriter):
         if self._learn is not None:
             channels.append(self._saved_channel)
         saved, fleet = self._saved_channel.encode(), self._fleet_channel.encode()
+        # The local tier's invalidations ride on this subscription: what it learns from
+        # the saved values and what it must forget then come in one ordered stream.
+        invalidations = self._invalidations
+        if invalidations is not None:
+            channels += invalidations.channels
 
         def heard(channel: bytes, data: bytes) -> None:
+            if invalidations is not None and invalidations.heard(channel, data):
+                return
             if channel == saved:
                 self._learn_saved(data)
             elif channel == fleet:
@@ -386,6 +393,8 @@ class SharedWrites(SharedWriter):
                 await asyncio.sleep(0.2)
             finally:
                 self._listening = False
+                if self._invalidations is not None:
+                    self._invalidations.lost()
 
     async def _listen_on(
         self, mux: Mux, channels: list[str], heard: Callable[[bytes, bytes], None]
@@ -396,6 +405,8 @@ class SharedWrites(SharedWriter):
         subscription = await mux.subscribe(channels, heard)
         try:
             self._listening = True
+            if self._invalidations is not None:
+                self._invalidations.subscribed()
             while self._usable():
                 await asyncio.wait([subscription.lost], timeout=1)
                 if subscription.lost.done():
@@ -411,10 +422,17 @@ class SharedWrites(SharedWriter):
         try:
             await pubsub.subscribe(*channels)
             self._listening = True
+            confirmed = 0
             while self._usable():
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
-                if message is not None and message["type"] == "message":
+                message = await pubsub.get_message(timeout=1)
+                if message is None:
+                    continue
+                if message["type"] == "message":
                     heard(message["channel"], message["data"])
+                elif message["type"] == "subscribe":
+                    confirmed += 1
+                    if confirmed == len(channels) and self._invalidations is not None:
+                        self._invalidations.subscribed()
         finally:
             await pubsub.aclose()  # type: ignore[no-untyped-call]
 

@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 
 from dedup._claims.protocol import Claims
 from dedup._engine.flights import Flight, FlightTable
+from dedup._engine.invalidation import Invalidations
 from dedup._engine.local import SavedCache
 from dedup._engine.shared_wire import SAVED, Wire
 from dedup._engine.wait_queue import WaitQueue
@@ -82,6 +83,7 @@ class SharedState:
         write_budget_s: float,
         queue_max: int,
         learn: SavedCache | None,
+        invalidations: Invalidations | None = None,
     ) -> None:
         self._loop = loop
         self._mode = mode
@@ -134,6 +136,8 @@ class SharedState:
         self._queue_max = queue_max
         # The local tier that learns what the fleet saved (None: off).
         self._learn = learn
+        # The local tier's invalidation channels, carried on this listener's subscription.
+        self._invalidations = invalidations
         self._write_timeout_s = write_timeout_s
         self._write_budget_s = write_budget_s
         prefix = f"{namespace}:{{w}}:{wire.sink}:"  # one hash tag: every shared key in one slot

@@ -24,6 +24,8 @@ from dedup._engine.breaker import CircuitBreaker
 from dedup._engine.claim_stage import ClaimStage
 from dedup._engine.degraded import DegradedMode
 from dedup._engine.flights import Flight, FlightTable
+from dedup._engine.forget import Forgetter
+from dedup._engine.invalidation import Invalidations
 from dedup._engine.local import SavedCache
 from dedup._engine.shared import SharedWrites
 from dedup._engine.shared_wire import Wire, sink_id
@@ -131,7 +133,26 @@ class Engine:
             claims=self.claim_queue,
             writes=self.write_queue,
         )
+        assert backends.redis is not None
+        self.invalidations = Invalidations(
+            client=backends.redis,
+            namespace=options.namespace,
+            secret=options.secret,
+            local=local,
+            usable=lambda: not self.degraded.active,
+            spawn=self.spawn,
+        )
         self.shared = self._shared_writes(loop, options, backends, local, stats)
+        self.forgetter = Forgetter(
+            loop,
+            claims=backends.claims,
+            keys=backends.keys,
+            sink=backends.default_sink,
+            invalidations=self.invalidations,
+            degraded=lambda: self.degraded.active,
+            approximate=backends.claims.layout == "approximate",
+            wait_timeout_s=options.wait_timeout_s,
+        )
         self.write_stage = WriteStage(
             loop,
             claims=backends.claims,
@@ -154,6 +175,8 @@ class Engine:
         )
         if self.shared is not None:
             self.shared.start()
+        # The shared listener, when there is one, carries the invalidation channels.
+        self.invalidations.start(own_listener=self.shared is None)
         if backends.redis_down_at_open:
             self.degraded.start_open(backends.redis_down_at_open)
 
@@ -209,6 +232,7 @@ class Engine:
             write_budget_s=options.write_budget_s,
             queue_max=options.shared_queue_max,
             learn=local if options.shared_learn else None,
+            invalidations=self.invalidations,
         )
 
     # The routes: each runs once per batch (or per flush), never once per value.
@@ -309,6 +333,7 @@ class Engine:
 
     async def stop(self) -> None:
         """Cancel the engine's tasks and fail every value still in flight."""
+        self.invalidations.stop()
         if self.shared is not None:
             await self.shared.stop()
         leftovers = self.waits.clear() + self.degraded.clear()

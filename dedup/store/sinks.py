@@ -49,6 +49,22 @@ RETURNING kind, digest
 """
 PG_COUNT = "SELECT count(*) FROM dedup_items WHERE kind = ANY($1::text[])"
 PG_DELETE = "DELETE FROM dedup_items WHERE kind = ANY($1::text[])"
+# Forgetting (dedup._engine.forget): the rows of some values of one kind, or only those
+# older than a cutoff, so that a prune never deletes a row saved after it began.
+PG_FORGET = """
+DELETE FROM dedup_items
+WHERE kind = $1 AND digest = ANY($2::bytea[]) AND ($3::timestamptz IS NULL OR created_at < $3)
+RETURNING digest
+"""
+PG_CUTOFF = "SELECT now() - make_interval(secs => $1)"
+PG_COUNT_OLDER = "SELECT count(*) FROM dedup_items WHERE kind = $1 AND created_at < $2"
+# Keyset pages in primary-key order: a prune walks the kind's rows once, with no index
+# on created_at (which every insert would pay for).
+PG_OLDER = """
+SELECT digest FROM dedup_items
+WHERE kind = $1 AND digest > $2 AND created_at < $3
+ORDER BY digest LIMIT $4
+"""
 PG_TABLE_EXISTS = "SELECT to_regclass('dedup_items') IS NOT NULL"
 PG_FETCH = "SELECT payload::text FROM dedup_items WHERE kind = $1 AND digest = $2"
 PG_FETCH_MANY = """
@@ -119,6 +135,22 @@ class DefaultSink(Protocol):
     ) -> dict[tuple[str, bytes], str | None]:
         """The rows of ``keys`` that exist, in one statement: their payloads as JSON text,
         by key (a key with no row is left out)."""
+
+    async def forget_rows(
+        self, kind: str, digests: Sequence[bytes], before: Any = None
+    ) -> list[bytes]:
+        """Delete the rows of ``digests`` of ``kind`` (only those created before
+        ``before``, a :meth:`cutoff`, when given); the digests of the rows deleted."""
+
+    async def cutoff(self, older_than_s: float) -> Any:
+        """The database's time ``older_than_s`` seconds ago (one clock for every row)."""
+
+    async def count_older(self, kind: str, before: Any) -> int:
+        """How many rows of ``kind`` were created before ``before`` (a :meth:`cutoff`)."""
+
+    async def older_digests(self, kind: str, before: Any, after: bytes, limit: int) -> list[bytes]:
+        """Up to ``limit`` digests of rows of ``kind`` created before ``before``, in
+        digest order, each greater than ``after``: one page of a prune."""
 
 
 async def pg_insert(
@@ -223,6 +255,26 @@ class PostgresSink:
             PG_FETCH_MANY, [k for k, _ in keys], [d for _, d in keys]
         )
         return {(rec[0], rec[1]): rec[2] for rec in records}
+
+    async def forget_rows(
+        self, kind: str, digests: Sequence[bytes], before: Any = None
+    ) -> list[bytes]:
+        """Delete the rows of ``digests`` of ``kind`` (created before ``before``, if given)."""
+        records = await self._require_pool().fetch(PG_FORGET, kind, list(digests), before)
+        return [bytes(rec[0]) for rec in records]
+
+    async def cutoff(self, older_than_s: float) -> Any:
+        """The database's ``now()`` less ``older_than_s`` seconds."""
+        return await self._require_pool().fetchval(PG_CUTOFF, float(older_than_s))
+
+    async def count_older(self, kind: str, before: Any) -> int:
+        """How many rows of ``kind`` were created before ``before``."""
+        return int(await self._require_pool().fetchval(PG_COUNT_OLDER, kind, before))
+
+    async def older_digests(self, kind: str, before: Any, after: bytes, limit: int) -> list[bytes]:
+        """A page of the digests of rows of ``kind`` created before ``before``."""
+        records = await self._require_pool().fetch(PG_OLDER, kind, after, before, limit)
+        return [bytes(rec[0]) for rec in records]
 
 
 class SqliteSink:
@@ -350,6 +402,52 @@ class SqliteSink:
                 for row in (await conn.execute(stmt)).all():
                     found[(str(row[0]), bytes(row[1]))] = row[2]
         return found
+
+    async def forget_rows(
+        self, kind: str, digests: Sequence[bytes], before: Any = None
+    ) -> list[bytes]:
+        """Delete the rows of ``digests`` of ``kind`` (created before ``before``, if given;
+        one statement per 8,000 digests, in one transaction)."""
+        deleted: list[bytes] = []
+        async with self._require_engine().begin() as conn:
+            for start in range(0, len(digests), _SQLITE_MAX_ROWS):
+                chunk = list(digests[start : start + _SQLITE_MAX_ROWS])
+                marks = ",".join("?" * len(chunk))
+                sql = (
+                    f"DELETE FROM dedup_items WHERE kind = ? AND digest IN ({marks})"  # noqa: S608
+                    " AND (? IS NULL OR created_at < ?) RETURNING digest"
+                )
+                result = await conn.exec_driver_sql(sql, (kind, *chunk, before, before))
+                deleted += [bytes(rec[0]) for rec in result.all()]
+        return deleted
+
+    async def cutoff(self, older_than_s: float) -> Any:
+        """SQLite's ``datetime('now')`` less ``older_than_s`` seconds, as the text that
+        ``CURRENT_TIMESTAMP`` writes in ``created_at``."""
+        async with self._require_engine().connect() as conn:
+            result = await conn.exec_driver_sql(
+                "SELECT datetime('now', ?)", (f"-{float(older_than_s)} seconds",)
+            )
+            return result.scalar_one()
+
+    async def count_older(self, kind: str, before: Any) -> int:
+        """How many rows of ``kind`` were created before ``before``."""
+        async with self._require_engine().connect() as conn:
+            result = await conn.exec_driver_sql(
+                "SELECT count(*) FROM dedup_items WHERE kind = ? AND created_at < ?",
+                (kind, before),
+            )
+            return int(result.scalar_one())
+
+    async def older_digests(self, kind: str, before: Any, after: bytes, limit: int) -> list[bytes]:
+        """A page of the digests of rows of ``kind`` created before ``before``."""
+        async with self._require_engine().connect() as conn:
+            result = await conn.exec_driver_sql(
+                "SELECT digest FROM dedup_items WHERE kind = ? AND digest > ?"
+                " AND created_at < ? ORDER BY digest LIMIT ?",
+                (kind, after, before, limit),
+            )
+            return [bytes(rec[0]) for rec in result.all()]
 
 
 def open_sink(database_url: str, *, pool_size: int, statement_timeout_ms: int) -> DefaultSink:
