@@ -263,7 +263,7 @@ _Record = tuple[str | None, Response] | None
 
 
 class _Entry:
-    __slots__ = ("expires_at", "local", "local_key", "record", "size")
+    __slots__ = ("expires_at", "local", "local_key", "record", "size", "stamp")
 
     def __init__(
         self, record: _Record, local: SavedCache, local_key: int, expires_at: float, size: int
@@ -273,6 +273,18 @@ class _Entry:
         self.local_key = local_key
         self.expires_at = expires_at
         self.size = size
+        self.stamp = local.stamp()
+
+    def usable(self) -> bool:
+        """Whether the tier still answers the key as saved, and has not forgotten it since
+        this entry was put (a key forgotten, then saved again, has another response)."""
+        local, key = self.local, self.local_key
+        return (
+            self.expires_at > time.monotonic()
+            and key in local.entries
+            and local.answering()
+            and (self.stamp == local.generation or not local.invalidated_since(key, self.stamp))
+        )
 
 
 class ReplayCache:
@@ -285,9 +297,10 @@ class ReplayCache:
     the row as every process reads it. Rows can still be deleted; the rules that bound
     what a deleted row costs:
 
-    - an entry is used only while the Gateway's local tier still holds the key as saved:
-      whatever drops it there (:meth:`dedup.Gateway.purge`, eviction, a lookup that found
-      the row gone) drops it here too;
+    - an entry is used only while the Gateway's local tier still holds the key as saved
+      and has not forgotten it since the entry was put: whatever drops it there
+      (:meth:`dedup.Gateway.forget` in any process, :meth:`dedup.Gateway.purge`, eviction,
+      a lookup that found the row gone) drops it here too;
     - an entry is used for ``max_age_s`` after it was put, never longer (a hit does not
       extend it): a row deleted by SQL alone is replayed from a process's cache for at
       most that long, then the next replay reads the row (and finds it gone).
@@ -322,7 +335,7 @@ class ReplayCache:
                 return False, None
             # A read of the tier's dict, not ``in`` on the tier (which reorders it): the
             # WSGI middleware looks up from a thread other than the tier's loop thread.
-            if entry.expires_at <= time.monotonic() or entry.local_key not in entry.local.entries:
+            if not entry.usable():
                 self._drop(value)
                 self.misses += 1
                 return False, None
@@ -347,6 +360,11 @@ class ReplayCache:
             while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
                 _, old = self._entries.popitem(last=False)
                 self.nbytes -= old.size
+
+    def drop(self, value: str) -> None:
+        """Drop ``value``'s entry, if any."""
+        with self._lock:
+            self._drop(value)
 
     def clear(self) -> None:
         """Drop every entry."""
@@ -524,6 +542,22 @@ class Idempotency:
             return key
         scope = scope or ""
         return f"{len(scope)}:{scope}:{key}"
+
+    # -------------------------------------------------------------- forgetting
+
+    def forgotten_value(self, key: str, scope: str | None) -> str:
+        """The Gateway value to forget for ``key`` in ``scope`` (what ``scope(request)``
+        returned for its requests; None for a middleware without a scope function)."""
+        return self.value(self.key_from_header(key) or key, scope)
+
+    async def forget(self, gateway: Gateway, key: str, scope: str | None = None) -> bool:
+        """Forget ``key`` (in ``scope``) and its stored response everywhere, as
+        :meth:`dedup.Gateway.forget` does a value: True if its row was deleted. The next
+        request with the key runs the handler again."""
+        value = self.forgotten_value(key, scope)
+        forgotten = await gateway.forget(self.kind, value)
+        self.cache.drop(value)  # every process's copy goes with the key's tier entry
+        return forgotten
 
     # -------------------------------------------------------------- the claim
 

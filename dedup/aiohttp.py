@@ -27,7 +27,7 @@ from dedup._idempotency import Idempotency, Options, RequestInfo, Response, call
 from dedup.errors import InvalidInput
 from dedup.gateway import Gateway
 
-__all__ = ["KeyFunction", "middleware"]
+__all__ = ["DedupMiddleware", "KeyFunction", "middleware"]
 
 KeyFunction = Callable[[web.Request], "str | Awaitable[str | None] | None"]
 """Maps a request to a string (sync or async; it may read the body), or None."""
@@ -39,7 +39,7 @@ def middleware(
     key: KeyFunction | None = None,
     scope: KeyFunction | None = None,
     **options: Unpack[Options],
-) -> Middleware:
+) -> DedupMiddleware:
     """An aiohttp middleware that runs the handler at most once per idempotency key and
     replays its response to every retry.
 
@@ -106,8 +106,28 @@ def middleware(
         await settle(claimed, response, fingerprint)
         return response
 
-    result: Middleware = dedup_middleware
-    return result
+    return DedupMiddleware(dedup_middleware, gateway, rules)
+
+
+class DedupMiddleware:
+    """What :func:`middleware` returns: the aiohttp middleware itself (call it as one),
+    with :meth:`forget`."""
+
+    __middleware_version__ = 1  # aiohttp: a new-style middleware (what @web.middleware sets)
+
+    def __init__(self, handle: Middleware, gateway: Gateway, rules: Idempotency) -> None:
+        self._handle = handle
+        self.gateway = gateway
+        self.rules = rules
+
+    async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        return await self._handle(request, handler)
+
+    async def forget(self, key: str, scope: str | None = None) -> bool:
+        """Forget idempotency key ``key`` and its stored response in every process (see
+        :meth:`dedup.Gateway.forget`): True if its row was deleted. ``scope`` is what the
+        ``scope`` function returned for the key's requests (None without one)."""
+        return await self.rules.forget(self.gateway, key, scope)
 
 
 def _response(answer: Response) -> web.Response:

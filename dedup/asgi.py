@@ -76,6 +76,12 @@ class DedupMiddleware:
         self.rules = Idempotency(key=key, scope=scope, **options)
         self._header = self.rules.header.lower().encode("latin-1")
 
+    async def forget(self, key: str, scope: str | None = None) -> bool:
+        """Forget idempotency key ``key`` and its stored response in every process (see
+        :meth:`dedup.Gateway.forget`): True if its row was deleted. ``scope`` is what the
+        ``scope`` function returned for the key's requests (None without one)."""
+        return await self.rules.forget(self.gateway, key, scope)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         rules = self.rules
         if scope["type"] != "http" or not rules.guards(scope["method"]):

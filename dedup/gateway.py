@@ -339,7 +339,8 @@ class Gateway(RunOnceMixin):
         must be reachable), :class:`WaitTimeout`, :class:`CannotForget` (approximate
         mode, a custom sink), or :class:`DedupError` when the Gateway is not open.
         """
-        return (await self.forget_many([(kind, value)]))[0]
+        checked = (validate_kind(kind), validate_value(value, self._limits))
+        return (await self._forget_checked([checked]))[0]
 
     async def forget_many(self, items: Iterable[tuple[str, str]]) -> list[bool]:
         """:meth:`forget` of many values at once (one wait for them all); one bool per
@@ -357,15 +358,19 @@ class Gateway(RunOnceMixin):
                 raise InvalidInput("each item must be a tuple (kind, value)", index=index)
             kind = validate_kind(item[0], index)
             checked.append((kind, validate_value(item[1], self._limits, index)))
+        return await self._forget_checked(checked)
+
+    async def _forget_checked(self, checked: list[tuple[str, bytes]]) -> list[bool]:
+        """Forget validated ``(kind, digest)`` pairs: every kind at once (one wait)."""
         forgetter = self._require_engine().forgetter
         forgetter.check()
-        by_kind: dict[str, list[bytes]] = {}
+        by_kind: dict[str, dict[bytes, None]] = {}
         for kind, digest in checked:
-            digests = by_kind.setdefault(kind, [])
-            digests.append(digest)
-        deleted: dict[str, set[bytes]] = {}
-        for kind, digests in by_kind.items():
-            deleted[kind] = await forgetter.forget(kind, list(dict.fromkeys(digests)))
+            by_kind.setdefault(kind, {})[digest] = None
+        outcomes = await asyncio.gather(
+            *(forgetter.forget(kind, list(digests)) for kind, digests in by_kind.items())
+        )
+        deleted = dict(zip(by_kind, outcomes, strict=True))
         results: list[bool] = []
         for kind, digest in checked:
             gone = deleted[kind]

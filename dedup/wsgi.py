@@ -68,6 +68,15 @@ class DedupMiddleware:
         self.rules = Idempotency(key=key, scope=scope, **options)
         self._environ_key = "HTTP_" + self.rules.header.upper().replace("-", "_")
 
+    def forget(self, key: str, scope: str | None = None) -> bool:
+        """Forget idempotency key ``key`` and its stored response in every process (see
+        :meth:`dedup.Gateway.forget`): True if its row was deleted. ``scope`` is what the
+        ``scope`` function returned for the key's requests (None without one)."""
+        value = self.rules.forgotten_value(key, scope)
+        forgotten = self.gateway.forget(self.rules.kind, value)
+        self.rules.cache.drop(value)
+        return forgotten
+
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         rules = self.rules
         method = str(environ.get("REQUEST_METHOD", "GET")).upper()

@@ -326,8 +326,8 @@ class Lease:
     whose payload is stored.
     """
 
-    __slots__ = ("_done", "_parts", "_renewal", "_state", "_watchdog", "digest", "key", "kind",
-                 "lost", "value")  # fmt: skip
+    __slots__ = ("_done", "_parts", "_renewal", "_stamp", "_state", "_watchdog", "digest",
+                 "key", "kind", "lost", "value")  # fmt: skip
 
     def __init__(
         self,
@@ -349,6 +349,9 @@ class Lease:
         self._state = state
         self._done = done
         self._renewal = state.reclaim if reclaimed else state.claim
+        # The tier's stamp: a forget of the value after this run's commit is not undone
+        # by the run's remembering it as saved (SavedCache.add).
+        self._stamp = parts.local.stamp()
         self.lost = False
         self._watchdog = asyncio.get_running_loop().create_task(
             self._renew(), name="dedup-once-watchdog"
@@ -411,7 +414,7 @@ class Lease:
                 # The row is durable; a missing marker only costs the next caller a read.
                 parts.stats.redis_errors += 1
                 log.warning("could not mark a run-once value saved: %r", exc)
-            parts.local.add(self.kind, self.digest)
+            parts.local.add(self.kind, self.digest, self._stamp)
         finally:
             _release(self._state.running, self.key, self._done)
         return _decode(stored)
@@ -488,6 +491,7 @@ async def begin(
             continue
         mine: asyncio.Future[None] = loop.create_future()
         running[key] = mine
+        stamp = parts.local.stamp()  # before the claim: see SavedCache.add
         lease: Lease | None = None
         handed_over = False
         try:
@@ -496,7 +500,7 @@ async def begin(
             if letter == "S":
                 exists, payload_json = await _fetch(state, parts, kind, digest)
                 if exists:
-                    parts.local.add(kind, digest)
+                    parts.local.add(kind, digest, stamp)
                     return Saved(_decode(payload_json))
                 # Redis marks the value saved but its row is gone (deleted to forget the
                 # value, the marker kept): answering "saved" would hand out a payload
@@ -516,7 +520,7 @@ async def begin(
                 await lease._stop()
                 with contextlib.suppress(RedisError, OSError):
                     await state.commit(key)
-                parts.local.add(kind, digest)
+                parts.local.add(kind, digest, stamp)
                 return Saved(_decode(payload_json))
         except BaseException:
             if lease is not None:
