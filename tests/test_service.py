@@ -720,6 +720,8 @@ async def test_openapi_describes_every_route_and_error(http: aiohttp.ClientSessi
     assert set(doc["paths"]) == {
         "/v1/save",
         "/v1/save/batch",
+        "/v1/forget",
+        "/v1/forget/batch",
         "/healthz",
         "/readyz",
         "/metrics",

@@ -1,4 +1,5 @@
-"""The ``dedup`` command: ``demo``, ``migrate``, ``bench``, ``serve`` and ``check``.
+"""The ``dedup`` command: ``demo``, ``migrate``, ``bench``, ``serve``, ``check``,
+``forget`` and ``prune``.
 
 Settings reach every subcommand as flag > ``DEDUP_*`` environment variable >
 ``--config`` file (default ``config/dedup.toml``) > built-in default.
@@ -13,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+from dedup.cli.forget import DEFAULT_BATCH_SIZE, older_than_arg, positive_int_arg
 from dedup.errors import DedupError
 from dedup.loop import run
 from dedup.service.settings import Config, Settings, load_config, load_settings
@@ -37,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--redis-url", help="redis://, rediss://, unix:// (default: embedded)")
         p.add_argument("--database-url", help="postgresql:// or sqlite:/// (default: embedded)")
         p.add_argument("--data-dir", help="folder of the embedded default (default: .dedup)")
+
+    def log_format(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--log-format",
+            choices=["text", "json"],
+            help="text (default), or json: one JSON object per line, tracebacks included",
+        )
 
     demo = sub.add_parser("demo", help="replay a synthetic stream and check rows == unique values")
     common(demo)
@@ -108,16 +117,61 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="TCP port (default 8080)")
     serve.add_argument("--workers", type=int, help="worker processes sharing the port (default 1)")
-    serve.add_argument(
-        "--log-format",
-        choices=["text", "json"],
-        help="text (default), or json: one JSON object per line, tracebacks included",
-    )
+    log_format(serve)
 
     check = sub.add_parser(
         "check", help="validate the settings and reach Redis and the database; report findings"
     )
     common(check)
+
+    forget = sub.add_parser(
+        "forget",
+        help="forget values of a kind: delete their rows and markers, so they save anew",
+        description="Forget each VALUE (or each line of --file) of --kind: its row is deleted "
+        "and its markers cleared, so a later save creates it again. Every value is checked "
+        "before anything is deleted. Prints 'forgot N of M values (K had no row)'; exit 2 "
+        "for bad input, 1 when the servers cannot serve or the gateway cannot erase.",
+    )
+    common(forget)
+    log_format(forget)
+    forget.add_argument("--kind", required=True, help="the values' kind")
+    forget.add_argument(
+        "--file",
+        metavar="PATH",
+        help="one value a line, UTF-8 ('-': standard input); only each line's final "
+        "newline is removed, empty lines are skipped",
+    )
+    forget.add_argument(
+        "values",
+        nargs="*",
+        metavar="VALUE",
+        help="values to forget (put -- before a value that starts with -)",
+    )
+
+    prune = sub.add_parser(
+        "prune",
+        help="delete the rows of a kind older than a duration, in batches (resumable)",
+        description="Delete the rows of --kind created more than --older-than ago, in "
+        "batches, clearing their markers. A progress bar shows on a terminal. Stopped "
+        "(Ctrl-C, exit 130) or failed, the same command resumes with the rows left.",
+    )
+    common(prune)
+    log_format(prune)
+    prune.add_argument("--kind", required=True, help="the rows' kind")
+    prune.add_argument(
+        "--older-than",
+        required=True,
+        type=older_than_arg,
+        metavar="DURATION",
+        help="age of the rows to delete: 30d, 12h, 90m, 45s or plain seconds",
+    )
+    prune.add_argument(
+        "--batch-size",
+        type=positive_int_arg,
+        default=DEFAULT_BATCH_SIZE,
+        metavar="N",
+        help=f"rows per batch (default {DEFAULT_BATCH_SIZE:,})",
+    )
     return parser
 
 
@@ -228,6 +282,37 @@ def _migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _logged_config(args: argparse.Namespace) -> Config:
+    """The settings, with logging set up as ``serve`` does: the audit lines of a forget
+    or prune (its kind and digests, never a value) go to stderr at ``log_level``."""
+    from dedup.service import setup_logging
+
+    config = _config(args)
+    setup_logging(config.service.log_level, config.service.log_format)
+    return config
+
+
+def _forget(args: argparse.Namespace) -> int:
+    from dedup.cli.forget import forget_command
+
+    config = _logged_config(args)
+    return forget_command(
+        config.gateway.gateway_kwargs(), kind=args.kind, values=args.values, file=args.file
+    )
+
+
+def _prune(args: argparse.Namespace) -> int:
+    from dedup.cli.forget import prune_command
+
+    config = _logged_config(args)
+    return prune_command(
+        config.gateway.gateway_kwargs(),
+        kind=args.kind,
+        older_than_s=args.older_than,
+        batch_size=args.batch_size,
+    )
+
+
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -267,6 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "migrate": _migrate,
         "serve": _serve,
         "check": _check,
+        "forget": _forget,
+        "prune": _prune,
     }
     try:
         return commands[args.command](args)

@@ -7,6 +7,10 @@ One :class:`~dedup.Gateway` per worker process, served by :mod:`dedup.service.ht
 - ``POST /v1/save`` one item -> 201 created / 200 duplicate, ``{"created", "source"}``;
 - ``POST /v1/save/batch`` ``{"items": [...]}`` -> ``{"results": [...]}`` in order,
   validated whole before any work (:meth:`Gateway.save_many`);
+- ``POST /v1/forget`` one ``{"kind", "value"}`` -> 200 ``{"forgotten"}``, and
+  ``POST /v1/forget/batch`` ``{"items": [...]}`` -> ``{"results": [...]}`` in order
+  (:meth:`Gateway.forget`, :meth:`Gateway.forget_many`); 409 ``cannot_forget`` where the
+  Gateway cannot erase (:class:`~dedup.errors.CannotForget`);
 - ``GET /healthz``, ``GET /readyz``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json``.
 
 A 200 or 201 is sent only after the Gateway answered, that is once the row is
@@ -47,7 +51,14 @@ import orjson
 from aiohttp import web
 
 from dedup import __version__
-from dedup.errors import DedupError, InvalidInput, Overloaded, Unavailable, WaitTimeout
+from dedup.errors import (
+    CannotForget,
+    DedupError,
+    InvalidInput,
+    Overloaded,
+    Unavailable,
+    WaitTimeout,
+)
 from dedup.gateway import Gateway
 from dedup.service.http import HttpServer, Request, Response
 from dedup.service.logs import setup_logging
@@ -55,6 +66,8 @@ from dedup.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dedup.service.metrics import PUSH_INTERVAL_S, ServiceMetrics
 from dedup.service.openapi import (
     BATCH_PATH,
+    FORGET_BATCH_PATH,
+    FORGET_PATH,
     HEALTHZ_PATH,
     METRICS_PATH,
     OPENAPI_PATH,
@@ -77,6 +90,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 """How often a served event loop calls ``serve``'s ``heartbeat``."""
 
 _ITEM_FIELDS = frozenset(("kind", "value", "payload"))
+_FORGET_FIELDS = frozenset(("kind", "value"))
 _JSON = "application/json"
 
 # Every success answer, made once: the hot path only picks one.
@@ -86,6 +100,14 @@ _RESULT_BODIES: dict[str, bytes] = {
 _RESULTS: dict[str, Response] = {
     source: Response(201 if source == "write" else 200, body)
     for source, body in _RESULT_BODIES.items()
+}
+
+# A forget's two answers, made once too.
+_FORGET_BODIES: dict[bool, bytes] = {
+    done: orjson.dumps({"forgotten": done}) for done in (True, False)
+}
+_FORGET_RESULTS: dict[bool, Response] = {
+    done: Response(200, body) for done, body in _FORGET_BODIES.items()
 }
 
 _Answer = Response | Coroutine[Any, Any, Response]
@@ -191,7 +213,12 @@ class _Service:
             (METRICS_PATH, self._get_metrics),
             (OPENAPI_PATH, self._get_openapi),
         )
-        posts = ((SAVE_PATH, self._save), (BATCH_PATH, self._save_batch))
+        posts = (
+            (SAVE_PATH, self._save),
+            (BATCH_PATH, self._save_batch),
+            (FORGET_PATH, self._forget),
+            (FORGET_BATCH_PATH, self._forget_batch),
+        )
         self._routes: dict[str, _Route] = {}
         for path, get in gets:  # HEAD answers as GET, without the body
             protected = path in PROTECTED_PATHS
@@ -285,7 +312,8 @@ class _Service:
         self.metrics.items += 1
         return _RESULTS[result.source]
 
-    def _save_batch(self, request: Request) -> _Answer:
+    def _batch_items(self, request: Request) -> list[Any]:
+        """The ``items`` array of a batch body, checked for shape and the item limit."""
         data = _read_json(request)
         if type(data) is not dict:
             raise _invalid('the body must be a JSON object {"items": [...]}', field=None)
@@ -302,6 +330,10 @@ class _Service:
             raise _invalid(
                 f"items has {len(raw)} entries, over the limit of {limit}", field="items"
             )
+        return raw
+
+    def _save_batch(self, request: Request) -> _Answer:
+        raw = self._batch_items(request)
         items: list[Item] = []
         for index, obj in enumerate(raw):
             kind, value, payload = _item(obj, index)
@@ -316,6 +348,32 @@ class _Service:
             raise _from_dedup(exc, self) from None
         self.metrics.items += len(results)
         body = b'{"results":[' + b",".join(_RESULT_BODIES[r.source] for r in results) + b"]}"
+        return Response(200, body)
+
+    def _forget(self, request: Request) -> _Answer:
+        kind, value = _forget_item(_read_json(request), None)
+        return self._forget_one(kind, value)
+
+    async def _forget_one(self, kind: Any, value: Any) -> Response:
+        try:
+            forgotten = await self.gateway.forget(kind, value)
+        except DedupError as exc:
+            raise _from_dedup(exc, self) from None
+        self.metrics.forgets(1, int(forgotten))
+        return _FORGET_RESULTS[bool(forgotten)]
+
+    def _forget_batch(self, request: Request) -> _Answer:
+        raw = self._batch_items(request)
+        items = [_forget_item(obj, index) for index, obj in enumerate(raw)]
+        return self._forget_many(items)
+
+    async def _forget_many(self, items: list[tuple[Any, Any]]) -> Response:
+        try:
+            results: list[bool] = await self.gateway.forget_many(items)
+        except DedupError as exc:
+            raise _from_dedup(exc, self) from None
+        self.metrics.forgets(len(results), sum(map(bool, results)))
+        body = b'{"results":[' + b",".join(_FORGET_BODIES[bool(r)] for r in results) + b"]}"
         return Response(200, body)
 
     def _get_healthz(self, request: Request) -> _Answer:
@@ -499,6 +557,22 @@ def _item(obj: Any, index: int | None) -> tuple[Any, Any, Any]:
         raise _invalid(f"{exc.args[0]} is required", field=exc.args[0], index=index) from None
 
 
+def _forget_item(obj: Any, index: int | None) -> tuple[Any, Any]:
+    """(kind, value) of one forget object; the Gateway checks their types and sizes."""
+    if type(obj) is not dict:
+        what = "the body" if index is None else "each item"
+        raise _invalid(f"{what} must be a JSON object", field=None, index=index)
+    if len(obj) > 2 or not obj.keys() <= _FORGET_FIELDS:
+        unknown = sorted(set(obj) - _FORGET_FIELDS)[0]
+        raise _invalid(
+            f"unknown field {unknown!r} (expected kind, value)", field=unknown, index=index
+        )
+    try:
+        return obj["kind"], obj["value"]
+    except KeyError as exc:
+        raise _invalid(f"{exc.args[0]} is required", field=exc.args[0], index=index) from None
+
+
 def _from_dedup(exc: DedupError, service: _Service) -> _ApiError:
     """The HTTP answer for a Gateway error; details of server failures go to the log only."""
     retry = service.retry_after
@@ -507,6 +581,13 @@ def _from_dedup(exc: DedupError, service: _Service) -> _ApiError:
         if exc.index is not None:
             extra["index"] = exc.index
         return _ApiError(422, "invalid_input", str(exc), **extra)
+    if isinstance(exc, CannotForget):
+        return _ApiError(
+            409,
+            "cannot_forget",
+            "this gateway cannot erase values (approximate/Bloom mode or a custom sink); "
+            "nothing was deleted",
+        )
     if isinstance(exc, Overloaded):
         return _ApiError(429, "overloaded", "too many saves in flight; retry later", headers=retry)
     if isinstance(exc, WaitTimeout):

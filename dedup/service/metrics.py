@@ -26,7 +26,13 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from dedup._engine.degraded import REASONS
 from dedup.metrics import Stats
-from dedup.service.openapi import BATCH_PATH, SAVE_PATH, SOURCES
+from dedup.service.openapi import (
+    BATCH_PATH,
+    FORGET_BATCH_PATH,
+    FORGET_PATH,
+    SAVE_PATH,
+    SOURCES,
+)
 
 __all__ = [
     "BATCH_BUCKETS",
@@ -124,8 +130,11 @@ class ServiceMetrics:
         self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROC_ENV) or None
         self.responses: dict[tuple[str, int], int] = {}
         self.items = 0
+        self.forget_items = 0
+        self.forgotten = 0
         self._pushed_responses: dict[tuple[str, int], int] = {}
         self._pushed_items = 0
+        self._pushed_forget = (0, 0)
         self._pushed_stats: dict[str, int] = {}
         self._registry = CollectorRegistry()
         # Multiprocess mode: the values go to files; the collector reads every worker's.
@@ -148,7 +157,7 @@ class ServiceMetrics:
         )
         self._latency = {
             path: _Buckets(latency.labels(path), LATENCY_BUCKETS_S)
-            for path in (SAVE_PATH, BATCH_PATH)
+            for path in (SAVE_PATH, BATCH_PATH, FORGET_PATH, FORGET_BATCH_PATH)
         }
         batch_items = Histogram(
             "dedup_http_batch_items",
@@ -160,6 +169,17 @@ class ServiceMetrics:
         self._items = Counter(
             "dedup_http_items", "Items accepted for saving (single + batch).", registry=own
         )
+        forget_items = Counter(
+            "dedup_http_forget_items",
+            "Values answered by /v1/forget and /v1/forget/batch, by result: forgotten (a row "
+            "was deleted) or no_row (there was none).",
+            ["result"],
+            registry=own,
+        )
+        self._forgotten = forget_items.labels("forgotten")
+        self._no_row = forget_items.labels("no_row")
+        for series in (self._forgotten, self._no_row):
+            series.inc(0)  # both series exist (at 0) before any forget
         answers = Counter(
             "dedup_answers",
             "Successful saves by where the answer came from.",
@@ -223,6 +243,12 @@ class ServiceMetrics:
         """Count one accepted batch request of ``items`` items."""
         self._batch_items.observe(items)
 
+    def forgets(self, items: int, forgotten: int) -> None:
+        """Count ``items`` values answered by a forget request, ``forgotten`` of which had a
+        row that was deleted."""
+        self.forget_items += items
+        self.forgotten += forgotten
+
     def flush(self, stats: Stats, *, pending: int, degraded: bool, reason: str = "") -> None:
         """Push what was counted since the last flush, and the gauges' values now."""
         for key, n in self.responses.items():
@@ -235,6 +261,15 @@ class ServiceMetrics:
         if self.items != self._pushed_items:
             self._items.inc(self.items - self._pushed_items)
             self._pushed_items = self.items
+        pushed_items, pushed_forgotten = self._pushed_forget
+        if (self.forget_items, self.forgotten) != self._pushed_forget:
+            forgotten = self.forgotten - pushed_forgotten
+            no_row = (self.forget_items - self.forgotten) - (pushed_items - pushed_forgotten)
+            if forgotten:
+                self._forgotten.inc(forgotten)
+            if no_row:
+                self._no_row.inc(no_row)
+            self._pushed_forget = (self.forget_items, self.forgotten)
         for name, value in stats.as_dict().items():
             delta = value - self._pushed_stats.get(name, 0)
             if delta <= 0:  # counters only grow; nothing new

@@ -16,6 +16,8 @@ __all__ = [
     "BATCH_PATH",
     "ERRORS",
     "ERROR_CODES",
+    "FORGET_BATCH_PATH",
+    "FORGET_PATH",
     "HEALTHZ_PATH",
     "METRICS_PATH",
     "NO_NUL_PATTERN",
@@ -34,13 +36,24 @@ NO_NUL_PATTERN = r"^[^\u0000]*$"
 
 SAVE_PATH = "/v1/save"
 BATCH_PATH = "/v1/save/batch"
+FORGET_PATH = "/v1/forget"
+FORGET_BATCH_PATH = "/v1/forget/batch"
 HEALTHZ_PATH = "/healthz"
 READYZ_PATH = "/readyz"
 METRICS_PATH = "/metrics"
 OPENAPI_PATH = "/openapi.json"
-PATHS = (SAVE_PATH, BATCH_PATH, HEALTHZ_PATH, READYZ_PATH, METRICS_PATH, OPENAPI_PATH)
+PATHS = (
+    SAVE_PATH,
+    BATCH_PATH,
+    FORGET_PATH,
+    FORGET_BATCH_PATH,
+    HEALTHZ_PATH,
+    READYZ_PATH,
+    METRICS_PATH,
+    OPENAPI_PATH,
+)
 """Every path the service answers (the document describes exactly these)."""
-PROTECTED_PATHS = (SAVE_PATH, BATCH_PATH, METRICS_PATH)
+PROTECTED_PATHS = (SAVE_PATH, BATCH_PATH, FORGET_PATH, FORGET_BATCH_PATH, METRICS_PATH)
 """The paths that need the bearer token when one is configured."""
 
 SOURCES: tuple[str, ...] = get_args(Source)
@@ -59,6 +72,11 @@ ERRORS: dict[str, tuple[int | None, str]] = {
     ),
     "not_found": (404, "no such path."),
     "method_not_allowed": (405, "the path exists but not with this method (see Allow)."),
+    "cannot_forget": (
+        409,
+        "this gateway cannot erase values (approximate/Bloom mode or a custom sink); "
+        "nothing was deleted.",
+    ),
     "body_too_large": (413, "the body is over max_body_bytes."),
     "unsupported_media_type": (
         415,
@@ -68,7 +86,7 @@ ERRORS: dict[str, tuple[int | None, str]] = {
     "invalid_input": (
         422,
         "a field is missing, unknown, of the wrong type or over a limit; "
-        "`field` and (in a batch) `index` name it. Nothing was saved.",
+        "`field` and (in a batch) `index` name it. Nothing was saved or deleted.",
     ),
     "overloaded": (
         429,
@@ -129,6 +147,20 @@ def openapi_document(
     }
     if auth:
         errors["401"] = {"$ref": "#/components/responses/Unauthorized"}
+    kind_schema = {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": MAX_KIND_CHARS,
+        "pattern": KIND_PATTERN,
+        "description": "1-128 characters; no control characters, line "
+        "separators, or invisible format characters (bidi, zero-width).",
+    }
+    value_schema = {
+        "type": "string",
+        "pattern": NO_NUL_PATTERN,
+        "description": "No NUL; at most max_value_bytes in UTF-8.",
+    }
+    forget_errors = {**errors, "409": {"$ref": "#/components/responses/CannotForget"}}
     security: list[dict[str, list[str]]] = [{"bearer": []}] if auth else []
     request_body = f"Content-Type must be application/json; at most {max_body_bytes} bytes."
     return {
@@ -205,6 +237,73 @@ def openapi_document(
                             },
                         },
                         **errors,
+                    },
+                }
+            },
+            FORGET_PATH: {
+                "post": {
+                    "operationId": "forget",
+                    "summary": "Forget one value of a kind: delete its row and its markers.",
+                    "description": (
+                        "Once answered, the value is unknown everywhere: its row is deleted, "
+                        "its Redis marker cleared and every gateway's local entry dropped, so "
+                        "a later save of it creates it again (created=true). forgotten is "
+                        "false when there was no row. Any other status deleted nothing for "
+                        "sure: retrying is safe."
+                    ),
+                    "security": security,
+                    "requestBody": {
+                        "required": True,
+                        "description": request_body,
+                        "content": {
+                            "application/json": {
+                                "schema": {"$ref": "#/components/schemas/ForgetItem"}
+                            }
+                        },
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "Done: the value is forgotten.",
+                            "content": {
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/ForgetResult"}
+                                }
+                            },
+                        },
+                        **forget_errors,
+                    },
+                }
+            },
+            FORGET_BATCH_PATH: {
+                "post": {
+                    "operationId": "forgetBatch",
+                    "summary": "Forget many values; one result per item, in order.",
+                    "description": (
+                        "Every item is validated before any work: one bad item gets 422 "
+                        "naming its index, and nothing is deleted. If a server fails midway "
+                        "the request fails (503); items forgotten before the failure answer "
+                        "forgotten=false on retry."
+                    ),
+                    "security": security,
+                    "requestBody": {
+                        "required": True,
+                        "description": request_body,
+                        "content": {
+                            "application/json": {
+                                "schema": {"$ref": "#/components/schemas/ForgetBatch"}
+                            }
+                        },
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "Every item is forgotten.",
+                            "content": {
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/ForgetBatchResult"}
+                                }
+                            },
+                        },
+                        **forget_errors,
                     },
                 }
             },
@@ -290,19 +389,8 @@ def openapi_document(
                     "required": ["kind", "value"],
                     "additionalProperties": False,
                     "properties": {
-                        "kind": {
-                            "type": "string",
-                            "minLength": 1,
-                            "maxLength": MAX_KIND_CHARS,
-                            "pattern": KIND_PATTERN,
-                            "description": "1-128 characters; no control characters, line "
-                            "separators, or invisible format characters (bidi, zero-width).",
-                        },
-                        "value": {
-                            "type": "string",
-                            "pattern": NO_NUL_PATTERN,
-                            "description": "No NUL; at most max_value_bytes in UTF-8.",
-                        },
+                        "kind": kind_schema,
+                        "value": value_schema,
                         "payload": {
                             "$ref": "#/components/schemas/Json",
                             "description": "Any JSON (stored with the row the first time); "
@@ -359,6 +447,49 @@ def openapi_document(
                         "results": {
                             "type": "array",
                             "items": {"$ref": "#/components/schemas/SaveResult"},
+                        }
+                    },
+                },
+                "ForgetItem": {
+                    "type": "object",
+                    "required": ["kind", "value"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "kind": kind_schema,
+                        "value": value_schema,
+                    },
+                },
+                "ForgetBatch": {
+                    "type": "object",
+                    "required": ["items"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "items": {
+                            "type": "array",
+                            "maxItems": max_batch_items,
+                            "items": {"$ref": "#/components/schemas/ForgetItem"},
+                        }
+                    },
+                },
+                "ForgetResult": {
+                    "type": "object",
+                    "required": ["forgotten"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "forgotten": {
+                            "type": "boolean",
+                            "description": "True when this call deleted the value's row; "
+                            "false when there was none (never saved, or already forgotten).",
+                        }
+                    },
+                },
+                "ForgetBatchResult": {
+                    "type": "object",
+                    "required": ["results"],
+                    "properties": {
+                        "results": {
+                            "type": "array",
+                            "items": {"$ref": "#/components/schemas/ForgetResult"},
                         }
                     },
                 },
@@ -433,10 +564,15 @@ def openapi_document(
                     "Content-Encoding is not identity."
                 ),
                 "InvalidInput": _error_response(
-                    "invalid_input: which field (and item index) and why; nothing was saved."
+                    "invalid_input: which field (and item index) and why; nothing was saved "
+                    "or deleted."
                 ),
                 "Overloaded": _error_response(
                     "overloaded: too many saves in flight in this process.", retry_after=True
+                ),
+                "CannotForget": _error_response(
+                    "cannot_forget: this gateway cannot erase values (approximate/Bloom mode "
+                    "or a custom sink); nothing was deleted."
                 ),
                 "InternalError": _error_response("internal_error: nothing was acknowledged."),
                 "Unavailable": _error_response(
