@@ -379,3 +379,78 @@ async def test_sync_gateway_forgets_and_prunes(redis_url: str, pg_url: str) -> N
     one, many, pruned = await asyncio.to_thread(run)
     assert (one, many, pruned) == (True, [True, False], 0)
     assert await _rows(pg_url, ["f1", "f2", "f3"]) == {"f3"}
+
+
+async def test_the_middlewares_forget_a_key_and_its_response(redis_url: str, pg_url: str) -> None:
+    # aiohttp (served) and WSGI (called as a server would): a replayed key is forgotten
+    # with its stored response, and the next request with it runs the handler again.
+    import aiohttp
+    from aiohttp import web
+
+    import dedup.aiohttp
+    from dedup import SyncGateway
+    from dedup.wsgi import DedupMiddleware
+
+    runs: list[str] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        runs.append("aiohttp")
+        return web.Response(status=201, text=f"run {len(runs)}")
+
+    async with Gateway(redis_url, pg_url) as gw:
+        mw = dedup.aiohttp.middleware(gw, kind="orders")
+        app = web.Application(middlewares=[mw])
+        app.router.add_post("/orders", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/orders"
+        try:
+            async with aiohttp.ClientSession() as http:
+                bodies = []
+                for _ in range(2):
+                    async with http.post(url, headers={"Idempotency-Key": "k1"}) as r:
+                        bodies.append(
+                            (r.status, await r.text(), r.headers.get("Idempotent-Replayed"))
+                        )
+                assert bodies == [(201, "run 1", None), (201, "run 1", "true")]
+                assert await mw.forget("k1") is True
+                assert await mw.forget("k1") is False
+                async with http.post(url, headers={"Idempotency-Key": "k1"}) as r:
+                    assert (r.status, await r.text()) == (201, "run 2")
+                    assert "Idempotent-Replayed" not in r.headers
+        finally:
+            await runner.cleanup()
+
+    def wsgi_app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        runs.append("wsgi")
+        start_response("201 Created", [("Content-Type", "text/plain")])
+        return [f"run {len(runs)}".encode()]
+
+    def call(middleware: DedupMiddleware) -> tuple[str, bytes]:
+        import io
+
+        status: list[str] = []
+        environ = {
+            "REQUEST_METHOD": "POST",
+            "PATH_INFO": "/orders",
+            "QUERY_STRING": "",
+            "CONTENT_LENGTH": "0",
+            "HTTP_IDEMPOTENCY_KEY": "k2",
+            "wsgi.input": io.BytesIO(b""),
+        }
+        body = b"".join(middleware(environ, lambda s, h, e=None: status.append(s)))  # type: ignore[arg-type]
+        return status[0], body
+
+    def run_wsgi() -> tuple[tuple[str, bytes], tuple[str, bytes], bool, tuple[str, bytes]]:
+        with SyncGateway(redis_url, pg_url) as sync:
+            middleware = DedupMiddleware(wsgi_app, gateway=sync, kind="orders", scope=None)
+            first, again = call(middleware), call(middleware)
+            forgotten = middleware.forget("k2")
+            return first, again, forgotten, call(middleware)
+
+    first, again, forgotten, after = await asyncio.to_thread(run_wsgi)
+    assert first == again and forgotten is True
+    assert after != first and after[1].startswith(b"run ")
+    assert runs.count("wsgi") == 2

@@ -48,7 +48,7 @@ from typing import Any
 import orjson
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import NoPermissionError, RedisError
 
 from dedup._claims.keys import derive_key
 from dedup._engine.local import SavedCache
@@ -256,12 +256,22 @@ class Invalidations:
     async def _listen(self) -> None:
         """Hold a subscription of this gateway's own to :attr:`channels`; subscribe
         again after a failure, while Redis is usable."""
+        warned = False
         while not self._stopping:
             if not self._usable():
                 await asyncio.sleep(_RETRY_S)
                 continue
             try:
                 await self._listen_once()
+            except NoPermissionError as exc:
+                if not warned:  # a setup mistake: say it once, and keep trying
+                    warned = True
+                    log.warning(
+                        "the local tier stays off: the Redis user may not SUBSCRIBE to %s "
+                        "(grant +subscribe +publish on &<namespace>:*): %s",
+                        self.channel,
+                        exc,
+                    )
             except (RedisError, OSError) as exc:
                 log.debug("the invalidation channel was lost: %r", exc)
             finally:
