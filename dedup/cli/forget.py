@@ -300,6 +300,13 @@ class ProgressBar:
 # ---------------------------------------------------------------------------- forget
 
 
+def _tool(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The Gateway options of a command that saves nothing: it never joins the fleet's
+    shared writes, where it could be elected the writer of the gateways' rows (and make
+    their saves wait on a process busy forgetting, or gone when it ends)."""
+    return {**kwargs, "shared_writes": "off"}
+
+
 class _ForgetBar(ProgressBar):
     """The progress of ``dedup forget``, and how many of its values had a row."""
 
@@ -312,7 +319,7 @@ async def _forget(
     kwargs: dict[str, Any], kind: str, found: _Values, bar: _ForgetBar, chunk: int
 ) -> None:
     values = found.values
-    async with Gateway(**kwargs) as gw:
+    async with Gateway(**_tool(kwargs)) as gw:
         for start in range(0, len(values), chunk):
             items = [(kind, value) for value in values[start : start + chunk]]
             try:
@@ -410,7 +417,7 @@ def forget_command(
 async def _prune(
     kwargs: dict[str, Any], kind: str, older_than_s: float, batch_size: int, bar: ProgressBar
 ) -> int:
-    async with Gateway(**kwargs) as gw:
+    async with Gateway(**_tool(kwargs)) as gw:
         pruned: int = await gw.prune(kind, older_than_s, batch_size=batch_size, progress=bar)
     return pruned
 
