@@ -54,7 +54,7 @@ _AUDIT_DIGESTS = 200  # digests per audit line (about 7 KB)
 _FIRST_RETRY_S = 0.01
 _MAX_RETRY_S = 0.2
 _ATTEMPTS = 3
-PRUNE_IN_FLIGHT = 8
+PRUNE_IN_FLIGHT = 4
 """Batches of a prune forgotten at once: each waits :data:`FORGET_WAIT_S`, so the rate is
 about ``PRUNE_IN_FLIGHT * batch_size`` rows a second at most."""
 
