@@ -13,6 +13,7 @@ import os
 import re
 import socket
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from dedup.errors import ConfigError
@@ -21,15 +22,25 @@ __all__ = [
     "CLUSTER_SCHEMES",
     "DATABASE_SCHEMES",
     "REDIS_SCHEMES",
+    "SENTINEL_SCHEMES",
+    "SentinelUrl",
     "check_url_password",
     "database_identity",
     "embedded_sqlite_url",
+    "parse_sentinel_url",
     "redact",
     "scrub",
 ]
 
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
+SENTINEL_SCHEMES = ("redis+sentinel://", "rediss+sentinel://")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES, *SENTINEL_SCHEMES)
+# Query options of a Sentinel URL: TLS files and checks (applied to the sentinels and
+# the data nodes alike), and the sentinels' own password.
+_SENTINEL_QUERY = frozenset(
+    ("sentinel_password", "sentinel_username", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile",
+     "ssl_cert_reqs", "ssl_check_hostname", "ssl_ca_path")
+)  # fmt: skip
 DATABASE_SCHEMES = ("postgresql://", "postgres://", "sqlite:///")
 
 # user:password@ up to the LAST @ of a non-blank run: a password with an unescaped
@@ -140,3 +151,62 @@ def _os_user() -> str:
         return getpass.getuser()
     except (KeyError, OSError):  # no name for this uid (a bare container): asyncpg fails too
         return ""
+
+
+class SentinelUrl(NamedTuple):
+    """The parts of a ``redis+sentinel://`` URL (see :func:`parse_sentinel_url`)."""
+
+    sentinels: list[tuple[str, int]]
+    service: str
+    db: int
+    username: str | None
+    password: str | None
+    tls: bool
+    options: dict[str, str]
+    """Query options: ``sentinel_password``, ``sentinel_username`` and ``ssl_*`` ones."""
+
+
+def parse_sentinel_url(url: str) -> SentinelUrl:
+    """Read ``redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]``
+    (``rediss+sentinel://``: TLS to every node), with the sentinels' own password as
+    ``?sentinel_password=``. :class:`ConfigError` for anything else; the message names
+    neither the URL nor a password."""
+    scheme = next((s for s in SENTINEL_SCHEMES if url.startswith(s)), None)
+    if scheme is None:
+        raise ConfigError(f"a Sentinel URL starts with {' or '.join(SENTINEL_SCHEMES)}")
+    check_url_password(url, "redis_url")
+    rest, _, query = url[len(scheme) :].partition("?")
+    authority, _, path = rest.partition("/")
+    userinfo, at, hosts = authority.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, secret = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(secret) if colon else None
+    sentinels: list[tuple[str, int]] = []
+    for part in hosts.split(","):
+        host, colon, port = part.strip().rpartition(":")
+        if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(
+                "redis_url: a Sentinel URL lists its sentinels as host:port[,host:port...]"
+            )
+        sentinels.append((host.strip("[]"), int(port)))
+    service, _, db_text = path.partition("/")
+    service = unquote(service)
+    if not service:
+        raise ConfigError("redis_url: a Sentinel URL names its service: .../service_name[/db]")
+    db_text = db_text.strip("/")
+    if db_text and not db_text.isdigit():
+        raise ConfigError("redis_url: a Sentinel URL's database is a number: .../service/0")
+    options: dict[str, str] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name not in _SENTINEL_QUERY:
+            raise ConfigError(
+                f"redis_url: a Sentinel URL takes {', '.join(sorted(_SENTINEL_QUERY))} in "
+                f"its query, not {name!r}"
+            )
+        options[name] = value
+    tls = scheme.startswith("rediss")
+    if not tls and any(name.startswith("ssl_") for name in options):
+        raise ConfigError("redis_url: ssl_* options need rediss+sentinel://")
+    return SentinelUrl(sentinels, service, int(db_text or 0), username, password, tls, options)

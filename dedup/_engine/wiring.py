@@ -31,7 +31,7 @@ from dedup._engine.shared import SharedWrites
 from dedup._engine.shared_wire import Wire, sink_id
 from dedup._engine.wait_queue import WaitQueue
 from dedup._engine.write_stage import RowWriter, WriteStage
-from dedup._redis.connect import per_node, probe_write
+from dedup._redis.connect import SentinelMuxPool, follow_primary, per_node, probe_write
 from dedup._values import Limits
 from dedup.errors import ConfigError, DedupError, Unavailable
 from dedup.metrics import Stats
@@ -177,6 +177,10 @@ class Engine:
             self.shared.start()
         # The shared listener, when there is one, carries the invalidation channels.
         self.invalidations.start(own_listener=self.shared is None)
+        if isinstance(backends.redis, Redis) and isinstance(
+            backends.redis.connection_pool, SentinelMuxPool
+        ):
+            self.spawn(follow_primary(backends.redis))
         if backends.redis_down_at_open:
             self.degraded.start_open(backends.redis_down_at_open)
 

@@ -7,12 +7,14 @@ unlink a namespace's keys and probe that a server takes writes.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import (
     ConnectionError,
@@ -22,12 +24,14 @@ from redis.exceptions import (
 from dedup._redis.mux import BACKOFF_BASE_S, BACKOFF_CAP_S, Mux
 from dedup._redis.packing import fast_packing
 from dedup.errors import ConfigError
-from dedup.urls import CLUSTER_SCHEMES, REDIS_SCHEMES, scrub
+from dedup.urls import CLUSTER_SCHEMES, REDIS_SCHEMES, SENTINEL_SCHEMES, parse_sentinel_url, scrub
 
 __all__ = [
     "CONNECTION_RETRIES",
     "MuxPool",
+    "SentinelMuxPool",
     "connect_redis",
+    "follow_primary",
     "info_of_every_node",
     "per_node",
     "probe_write",
@@ -52,8 +56,100 @@ class MuxPool(BlockingConnectionPool):
         await super().disconnect(inuse_connections)
 
 
+class SentinelMuxPool(SentinelConnectionPool):
+    """The pool of a client of a Sentinel-managed primary (``redis+sentinel://``):
+    redis-py's Sentinel pool, whose connections ask the sentinels where the primary is
+    (and reconnect after a READONLY answer from a demoted one), plus the shared
+    connection, which asks them too before each connect (:class:`Mux` with a resolver).
+    A failover (another primary named) disconnects both; closing the client closes the
+    sentinels' connections too."""
+
+    mux: Mux | None = None
+    retries = CONNECTION_RETRIES
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        # redis-py calls this with inuse_connections=False when the sentinels name another
+        # primary (the Mux may be connecting to it right then: only its old connection
+        # goes), and with True when the client closes (everything goes).
+        if self.mux is not None:
+            if inuse_connections:
+                await self.mux.disconnect()
+            else:
+                self.mux.drop()
+        await super().disconnect(inuse_connections)
+        if inuse_connections:
+            for sentinel in self.sentinel_manager.sentinels:
+                await sentinel.connection_pool.disconnect()
+
+
+FOLLOW_S = 1.0
+"""How often a gateway on a Sentinel URL asks the sentinels which server is the primary."""
+
+
+async def follow_primary(client: Redis, interval_s: float = FOLLOW_S) -> None:
+    """Ask the sentinels every ``interval_s`` where the primary is; when they name
+    another server than the one the connections go to (a failover, a manual one
+    included, where the old primary may still take writes for seconds), close them, so
+    that every next call goes to the new primary. Runs until cancelled; errors (no
+    sentinel answers) only wait for the next turn: the calls' own errors open the
+    circuit."""
+    pool = client.connection_pool
+    assert isinstance(pool, SentinelMuxPool)
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            address = await pool.get_master_address()  # type: ignore[no-untyped-call]
+        except (RedisError, OSError):
+            continue
+        mux = pool.mux
+        if mux is not None and mux.address is not None and mux.address != address:
+            mux.drop()
+
+
+def _connect_sentinel(url: str, common: dict[str, Any], max_connections: int) -> Redis:
+    """A client of the primary a Sentinel URL names (see :class:`SentinelMuxPool`)."""
+    parts = parse_sentinel_url(url)
+    options = dict(parts.options)
+    tls: dict[str, Any] = {k: v for k, v in options.items() if k.startswith("ssl_")}
+    if "ssl_check_hostname" in tls:  # a word in the URL, a bool for redis-py
+        tls["ssl_check_hostname"] = tls["ssl_check_hostname"].lower() in ("1", "true", "yes")
+    if parts.tls:
+        tls["ssl"] = True
+    sentinel_kwargs: dict[str, Any] = {**common, **tls}
+    if "sentinel_password" in options:
+        sentinel_kwargs["password"] = options["sentinel_password"]
+    if "sentinel_username" in options:
+        sentinel_kwargs["username"] = options["sentinel_username"]
+    node_kwargs: dict[str, Any] = {**common, "db": parts.db}
+    if parts.password is not None:
+        node_kwargs["password"] = parts.password
+    if parts.username is not None:
+        node_kwargs["username"] = parts.username
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        parts.sentinels, sentinel_kwargs=sentinel_kwargs, **node_kwargs
+    )
+    # The nodes' TLS files: SentinelConnectionPool takes ``ssl`` and passes the rest on.
+    retry = Retry(
+        ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S),
+        CONNECTION_RETRIES,
+        supported_errors=(ConnectionError,),
+    )
+    pool = SentinelMuxPool(  # type: ignore[no-untyped-call]
+        parts.service,
+        sentinel,
+        max_connections=max_connections,
+        retry=retry,
+        **node_kwargs,
+        **tls,
+    )
+    pool.connection_class = fast_packing(pool.connection_class)
+    pool.mux = Mux.for_pool(pool)
+    return Redis.from_pool(pool)
+
+
 def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis | RedisCluster:
-    """A client for ``url`` (redis://, rediss://, unix:// or redis+cluster://).
+    """A client for ``url`` (redis://, rediss://, unix://, redis+cluster:// or
+    redis+sentinel://).
 
     The pool is sized by the caller for its batches in flight. On one server a call
     past ``max_connections`` waits up to ``timeout_s`` for a connection (a blocking
@@ -73,6 +169,8 @@ def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis 
     # when it first connects, with a TypeError: check them here, with no I/O, so that a
     # mistake is a ConfigError at once. The messages name options, never their values.
     try:
+        if url.startswith(SENTINEL_SCHEMES):
+            return _connect_sentinel(url, common, max_connections)
         for scheme in CLUSTER_SCHEMES:
             if url.startswith(scheme):
                 plain = url.replace("+cluster", "", 1)

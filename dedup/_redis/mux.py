@@ -29,7 +29,7 @@ import os
 import socket
 import ssl
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import hiredis
@@ -39,7 +39,13 @@ from redis.asyncio.connection import (
     SSLConnection,
     UnixDomainSocketConnection,
 )
-from redis.exceptions import ConnectionError, InvalidResponse, RedisError
+from redis.exceptions import (
+    ConnectionError,
+    InvalidResponse,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dedup._redis.packing import pack
@@ -134,11 +140,20 @@ class Mux:
     """The shared connection of one client (see the module's docstring)."""
 
     def __init__(
-        self, kwargs: dict[str, Any], unix: bool, tls: ssl.SSLContext | None = None
+        self,
+        kwargs: dict[str, Any],
+        unix: bool,
+        tls: ssl.SSLContext | None = None,
+        resolve: Callable[[], Awaitable[tuple[str, int]]] | None = None,
     ) -> None:
         self._kwargs = kwargs
         self._unix = unix
         self._tls = tls
+        # Where the server is, asked before each connect (a Sentinel's primary), if not
+        # in the URL; its connection is then dropped on a READONLY answer (a demoted
+        # primary), so that the next call asks again.
+        self._resolve = resolve
+        self._address: tuple[str, int] | None = None
         self._timeout: float | None = kwargs.get("socket_timeout")
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
@@ -164,7 +179,8 @@ class Mux:
             if not isinstance(made, ssl.SSLContext):  # a redis-py laid out otherwise
                 return None
             tls = made
-        return cls(dict(kwargs), issubclass(kind, UnixDomainSocketConnection), tls)
+        resolve = getattr(pool, "get_master_address", None)  # a Sentinel's pool
+        return cls(dict(kwargs), issubclass(kind, UnixDomainSocketConnection), tls, resolve)
 
     async def call(self, packed: bytes, count: int, *, retries: int = 0) -> list[Any]:
         """Send ``packed`` (``count`` RESP commands) and return their replies in order, an
@@ -177,12 +193,34 @@ class Mux:
         generation = self._generation
         for attempt in itertools.count():
             try:
-                return await self._call_once(packed, count)
+                replies = await self._call_once(packed, count)
+                if self._resolve is not None:
+                    self._demoted(replies)
+                return replies
             except ConnectionError:
                 if attempt >= retries or generation != self._generation:
                     raise
             await asyncio.sleep(min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt))
         raise AssertionError("unreachable")
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """Where the last connection went, when a resolver named it (else None)."""
+        return self._address
+
+    def drop(self) -> None:
+        """Close the live connection (calls in flight on it fail with ``ConnectionError``
+        and are resent as their retries allow); the next call connects again."""
+        protocol = self._protocol
+        if protocol is not None and protocol.transport is not None:
+            protocol.transport.abort()
+
+    def _demoted(self, replies: list[Any]) -> None:
+        """A READONLY answer from the server a Sentinel named: it was demoted (a failover).
+        Drop the connection, so that the next call asks the sentinels again; the answer
+        itself goes to its caller (degraded mode reads it as ``readonly``)."""
+        if any(_readonly(r) for r in replies):
+            self.drop()
 
     async def _call_once(self, packed: bytes, count: int) -> list[Any]:
         if self._pid != os.getpid():  # a forked child: the connection is its parent's
@@ -281,11 +319,14 @@ class Mux:
                         lambda: _Protocol(self), kwargs["path"]
                     )
                 else:
-                    _, protocol = await loop.create_connection(
-                        lambda: _Protocol(self),
+                    if self._resolve is not None:
+                        self._address = await self._resolve()
+                    host, port = self._address or (
                         kwargs.get("host", "localhost"),
                         int(kwargs.get("port", 6379)),
-                        ssl=self._tls,
+                    )
+                    _, protocol = await loop.create_connection(
+                        lambda: _Protocol(self), host, port, ssl=self._tls
                     )
                     sock = protocol.transport.get_extra_info("socket")
                     if sock is not None:
@@ -338,6 +379,8 @@ class Mux:
         kwargs = self._kwargs
         if self._unix:
             return str(kwargs.get("path"))
+        if self._address is not None:
+            return f"{self._address[0]}:{self._address[1]}"
         return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
 
 
@@ -386,3 +429,11 @@ class Subscription:
             self._confirmed.set_exception(ConnectionError("Connection closed by server."))
         if not self.lost.done():
             self.lost.set_result(None)
+
+
+def _readonly(reply: Any) -> bool:
+    """Whether ``reply`` is a READONLY error (a replica's), also inside a script's error,
+    which Redis 6 wraps in ERR."""
+    return isinstance(reply, ReadOnlyError) or (
+        isinstance(reply, ResponseError) and "READONLY" in str(reply)
+    )

@@ -40,9 +40,15 @@ class Finding:
 async def _check_redis(url: str, allow_eviction: bool, timeout_s: float) -> list[Finding]:
     shown = redact(url)
     client = connect_redis(url, max_connections=2, timeout_s=timeout_s)
+    primary = ""
     try:
         memory: Any = await asyncio.wait_for(info_of_every_node(client, "memory"), timeout_s * 2)
         server: Any = await asyncio.wait_for(info_of_every_node(client, "server"), timeout_s * 2)
+        pool = getattr(client, "connection_pool", None)
+        ask = getattr(pool, "get_master_address", None)  # a Sentinel URL
+        if ask is not None:
+            host, port = await asyncio.wait_for(ask(), timeout_s * 2)
+            primary = f", primary {host}:{port} as the sentinels name it"
     except Exception as exc:
         if older_than_floor(exc):
             needed = ".".join(map(str, MIN_REDIS_VERSION))
@@ -65,7 +71,7 @@ async def _check_redis(url: str, allow_eviction: bool, timeout_s: float) -> list
     )
     unsafe = sorted(unsafe_policies(memory))
     limits = {int(i.get("maxmemory", 0)) for i in per_node(memory)}
-    found = [Finding("ok", "redis", f"{shown}: reachable, {', '.join(version)}")]
+    found = [Finding("ok", "redis", f"{shown}: reachable, {', '.join(version)}{primary}")]
     old = too_old(server)
     if old:
         needed = ".".join(map(str, MIN_REDIS_VERSION))

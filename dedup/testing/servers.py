@@ -337,24 +337,7 @@ class RedisServer(_Managed):
         for name in ("dump.rdb", "appendonly.aof"):
             with contextlib.suppress(FileNotFoundError):
                 (self._dir / name).unlink()
-        argv = [
-            self._binary,
-            "--port",
-            str(self._port),
-            "--bind",
-            HOST,
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--maxmemory-policy",
-            "noeviction",
-            "--dir",
-            str(self._dir),
-            "--daemonize",
-            "no",
-            *self._extra_args,
-        ]
+        argv = self._argv()
         with open(self.log_path, "ab") as log:
             log.write(f"--- starting {' '.join(argv)}\n".encode())
             log.flush()
@@ -382,6 +365,27 @@ class RedisServer(_Managed):
                     f"redis-server did not answer PING within {START_TIMEOUT}s:\n{self.log_text()}"
                 )
             time.sleep(0.02)
+
+    def _argv(self) -> list[str]:
+        """The server's command line."""
+        return [
+            self._binary,
+            "--port",
+            str(self._port),
+            "--bind",
+            HOST,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory-policy",
+            "noeviction",
+            "--dir",
+            str(self._dir),
+            "--daemonize",
+            "no",
+            *self._extra_args,
+        ]
 
     def restart(self) -> Self:
         """Kill the server if alive and start a new, empty one on the same port."""
