@@ -18,8 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import ReadOnlyError, ResponseError
 
 from dedup import ConfigError, Gateway
@@ -31,6 +33,7 @@ from dedup.urls import parse_sentinel_url, redact
 from tests.test_cluster_failover import sampled, serves_on_redis_again
 from tests.test_faults import Ledger, check_contract, loaded, until
 from tests.test_multiprocess import read_line
+from tests.test_service import request, service_env, spawn_service, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,31 +81,48 @@ def test_sentinel_urls_are_read_and_checked() -> None:
 
 @pytest.mark.redis6
 async def test_everything_works_through_the_sentinels(
-    sentinel: RedisSentinelServers, pg_url: str
+    sentinel: RedisSentinelServers, pg_url: str, tmp_path: Path
 ) -> None:
     # The Gateway (claims, shared writes' channels, the invalidation channel, forget), the
-    # lock library with fences, and dedup check, all through redis+sentinel://.
+    # lock library with fences, dedup check and the service, all through the sentinels.
     async with Gateway(sentinel.url, pg_url, **OPTIONS) as gw:
         assert (await gw.save("email", "a@example.com")).created
         assert (await gw.save("email", "a@example.com")).source == "local"
         assert await gw.forget("email", "a@example.com") is True
         assert (await gw.save("email", "a@example.com")).created
     client = connect_redis(sentinel.url, max_connections=4, timeout_s=2)
+    managers = Sentinel([("127.0.0.1", s.port) for s in sentinel.sentinels])  # type: ignore[no-untyped-call]
+    theirs = managers.master_for(SERVICE)  # redis-py's own Sentinel client
     try:
         assert isinstance(client, Redis)
-        async with Lock(client, "job", timeout=5) as lock:
-            assert lock.fence is not None and lock.fence >= 1
-            await fenced_set(client, "job-resource", "written", lock.fence)
+        for lockable in (client, theirs):
+            async with Lock(lockable, "job", timeout=5) as lock:
+                assert lock.fence is not None and lock.fence >= 1
+                await fenced_set(lockable, "job-resource", "written", lock.fence)
         primary = await client.connection_pool.get_master_address()  # type: ignore[attr-defined]
         assert primary == ("127.0.0.1", sentinel.primary.port)
     finally:
         await client.aclose()
+        await theirs.aclose()
+        for s in managers.sentinels:
+            await s.aclose()
     out = subprocess.run(
         [sys.executable, "-m", "dedup", "check", "--redis-url", sentinel.url,
          "--database-url", pg_url],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
+    svc = spawn_service(tmp_path, service_env(sentinel.url, pg_url))
+    try:
+        await wait_healthy(svc)
+        async with aiohttp.ClientSession(svc.url) as http:
+            body = {"kind": "email", "value": "svc@example.com"}
+            status, answer, _ = await request(http, "POST", "/v1/save", json=body)
+            assert (status, answer["created"]) == (201, True)
+            status, answer, _ = await request(http, "POST", "/v1/forget", json=body)
+            assert (status, answer) == (200, {"forgotten": True})
+    finally:
+        svc.stop()
     assert f"primary 127.0.0.1:{sentinel.primary.port}" in out.stdout
 
 
