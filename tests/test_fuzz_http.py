@@ -43,6 +43,10 @@ MAX_ITEMS = 20
 SCHEMATHESIS_TIMEOUT_S = 240.0
 # A fixed seed keeps CI repeatable; FUZZ_HTTP_SEED / FUZZ_HTTP_EXAMPLES widen a hunt by hand.
 MAX_EXAMPLES = int(os.environ.get("FUZZ_HTTP_EXAMPLES", "60"))
+# A forget the service accepts takes a second by design (every gateway must have read the
+# invalidation): the forget routes get fewer examples, fuzzed at the same time as the rest.
+FORGET_EXAMPLES = int(os.environ.get("FUZZ_HTTP_FORGET_EXAMPLES", "15"))
+FORGET_PATHS = "^/v1/forget"
 SEED = os.environ.get("FUZZ_HTTP_SEED", "1")
 
 
@@ -97,51 +101,82 @@ async def count_rows(database_url: str, kind: str | None = None) -> int:
 
 @pytest.mark.slow
 def test_schemathesis_finds_nothing(fuzzed: Fuzzed, tmp_path: Path) -> None:
-    """Every operation, every check, positive and negative data; exit 0 or the report."""
-    argv = [
-        str(ROOT / ".venv" / "bin" / "schemathesis"),
-        "run",
-        f"{fuzzed.svc.url}/openapi.json",
-        "--checks",
-        "all",
-        "--max-examples",
-        str(MAX_EXAMPLES),
-        "--header",
-        f"Authorization: Bearer {TOKEN}",
-        # One worker: schemathesis's workers are threads, and CPython 3.11 (3.11.7 here)
-        # can raise a spurious "AST constructor recursion depth mismatch" SystemError
-        # when threads build ASTs at once, as hypothesis does while it generates (the
-        # reports of it, python/cpython#106905, are from threaded programs; a CI run
-        # failed on it). The run takes seconds either way.
-        "--workers",
-        "1",
-        "--seed",
-        SEED,
-        "--request-timeout",
-        "30",
-        "--generation-database",
-        "none",
-        "--no-color",
-        "--report",
-        "junit",
-        "--report-dir",
-        str(tmp_path),
-    ]
-    try:
-        done = subprocess.run(
-            argv,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=SCHEMATHESIS_TIMEOUT_S,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, "NO_COLOR": "1"},
+    """Every operation, every check, positive and negative data; exit 0 or the report.
+    Two runs at once: the forget routes (fewer examples), and every other route."""
+
+    def argv(examples: int, selection: str, report_dir: Path) -> list[str]:
+        return [
+            str(ROOT / ".venv" / "bin" / "schemathesis"),
+            "run",
+            f"{fuzzed.svc.url}/openapi.json",
+            selection,
+            FORGET_PATHS,
+            "--checks",
+            "all",
+            "--max-examples",
+            str(examples),
+            "--header",
+            f"Authorization: Bearer {TOKEN}",
+            # One worker: schemathesis's workers are threads, and CPython 3.11 (3.11.7
+            # here) can raise a spurious "AST constructor recursion depth mismatch"
+            # SystemError when threads build ASTs at once, as hypothesis does while it
+            # generates (the reports of it, python/cpython#106905, are from threaded
+            # programs; a CI run failed on it). Two runs are two processes: no threads.
+            "--workers",
+            "1",
+            "--seed",
+            SEED,
+            "--request-timeout",
+            "30",
+            "--generation-database",
+            "none",
+            "--no-color",
+            "--report",
+            "junit",
+            "--report-dir",
+            str(report_dir),
+        ]
+
+    runs = []
+    for examples, selection in (
+        (MAX_EXAMPLES, "--exclude-path-regex"),
+        (FORGET_EXAMPLES, "--include-path-regex"),
+    ):
+        folder = tmp_path / selection.strip("-")
+        folder.mkdir()
+        runs.append(
+            subprocess.Popen(
+                argv(examples, selection, folder),
+                cwd=folder,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "NO_COLOR": "1"},
+            )
         )
+    reports = []
+    try:
+        for run in runs:
+            out, _ = run.communicate(timeout=SCHEMATHESIS_TIMEOUT_S)
+            reports.append((run.returncode, out))
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"schemathesis ran over {SCHEMATHESIS_TIMEOUT_S} s") from exc
-    report = done.stdout + done.stderr
-    assert done.returncode == 0, report[-20000:]
-    assert "No issues found" in report or " passed" in report, report[-5000:]
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.communicate(timeout=30)
+    for code, report in reports:
+        assert code == 0, report[-20000:]
+        assert "No issues found" in report or " passed" in report, report[-5000:]
+    # Each run fuzzed its own routes (their JUnit reports name the operations).
+    junit = [
+        "".join(f.read_text() for f in (tmp_path / selection).glob("*.xml"))
+        for selection in ("exclude-path-regex", "include-path-regex")
+    ]
+    assert "/v1/save" in junit[0] and "/v1/forget" not in junit[0], junit[0][:2000]
+    assert "/v1/forget/batch" in junit[1] and "/v1/save" not in junit[1], junit[1][:2000]
     assert fuzzed.svc.proc.poll() is None, "the service died under the fuzz"
     assert TOKEN not in fuzzed.svc.log_text()
 
