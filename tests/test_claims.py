@@ -33,6 +33,8 @@ from dedup._claims.scripts import (
     COMMIT,
     COMMIT_BLOOM,
     COMMIT_COMPACT,
+    FORGET,
+    FORGET_RELEASE,
 )
 from dedup._redis.connect import connect_redis, info_of_every_node, probe_write
 from dedup._redis.script import (
@@ -358,8 +360,10 @@ def test_a_server_older_than_the_floor_is_named() -> None:
 
 # What Redis 6.0 has of what the scripts call (SET's GET option came in 6.2, GETDEL in 6.2).
 _REDIS_6_0 = {"GET", "SET", "DEL", "PEXPIRE", "PEXPIREAT", "PTTL", "EXISTS", "HEXISTS", "HSET"}
+_REDIS_6_0 |= {"HDEL"}  # the forget's clearing of compact markers (Redis 2.0)
 _REDIS_6_0 |= {"GETBIT", "SETBIT"}
-_SOURCES = (CLAIM, COMMIT, ABORT, CLAIM_COMPACT, COMMIT_COMPACT, CLAIM_BLOOM, COMMIT_BLOOM)
+_SOURCES = (CLAIM, COMMIT, ABORT, CLAIM_COMPACT, COMMIT_COMPACT, CLAIM_BLOOM, COMMIT_BLOOM,
+            FORGET, FORGET_RELEASE)  # fmt: skip
 
 
 def test_the_redis_6_scripts_call_only_what_redis_6_0_has() -> None:

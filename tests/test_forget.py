@@ -455,3 +455,30 @@ async def test_the_middlewares_forget_a_key_and_its_response(redis_url: str, pg_
     assert first == again and forgotten is True
     assert after != first and after[1].startswith(b"run ")
     assert runs.count("wsgi") == 2
+
+
+@pytest.mark.redis6
+@pytest.mark.parametrize("options", LAYOUTS, ids=LAYOUT_IDS)
+async def test_a_commit_leaves_a_forgets_hold_alone(
+    redis_url: str, pg_url: str, options: dict[str, Any]
+) -> None:
+    # A writer whose lease ran out commits while a forget holds the value: the commit
+    # sets no marker and gives the hold back (the forget deletes the row next).
+    async with Gateway(redis_url, pg_url, **options) as gw:
+        claims = gw._backends.claims
+        assert claims is not None
+        key = gw._keys.key("email", digest("held@example.com"))
+        assert await claims.claim([key]) == "W"  # the writer's lease...
+        assert await claims.forget([key], "Fsometoken") == "B"  # ...the forget waits
+        admin = Redis.from_url(redis_url)
+        try:
+            await admin.delete(key)  # the writer's lease ran out
+            assert await claims.forget([key], "Fsometoken") == "W"
+            assert await claims.commit([key]) == 0  # the late writer's commit
+            assert await admin.get(key) == b"Fsometoken"
+            assert 0 < await admin.pttl(key) <= claims.lease_ms
+        finally:
+            await admin.aclose()
+        assert await _states(gw, ["held@example.com"]) == "L"  # held, no marker
+        assert await claims.forget_release([key], "Fsometoken") == "1"
+        assert await _states(gw, ["held@example.com"]) == "-"

@@ -328,7 +328,7 @@ class Claims:
         """This layout's commit script, and how it builds KEYS and ARGV for some keys."""
         scripts = await self._variant_scripts()
         if self.layout == "keys":
-            args = (self._token, self.retention_ms)
+            args = (self._token, self.retention_ms, self._lease)
             return scripts.commit, lambda ks: (ks, args)
         reads, expire_at = self.generations()
         script = scripts.commit_compact if self._bloom is None else scripts.commit_bloom
@@ -454,7 +454,7 @@ class Claims:
         bloom = self._bloom
         if bloom is None:
             locator = self._markers.locator
-            head = [self._token, expire_at, self._markers.buckets_per_tag, current]
+            head = [self._token, expire_at, self._markers.buckets_per_tag, current, self._lease]
             return keys, [*head, *map(locator, keys)]
         all_keys, args = list(keys), [self._token, expire_at, bloom.k, bloom.partition_bits // 8]
         for key in keys:

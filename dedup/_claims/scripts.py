@@ -79,24 +79,26 @@ return table.concat(out)
 
 COMMIT = """
 -- KEYS: keys whose rows are committed in the database
--- ARGV[1]: the committer's token; ARGV[2]: retention of the saved marker in ms, 0 = none
+-- ARGV[1]: the committer's token; ARGV[2]: retention of the saved marker in ms, 0 = none;
+--   ARGV[3]: the lease in milliseconds
 -- Returns: how many of the keys still held the committer's lease
 -- The row is durable, so the key becomes "saved" whoever holds it now: a lost
 -- lease is not an error, and marking it saved only spares the next claimant a
--- redundant insert.
--- A key held by a forget (a token starting with "F") stays as it is: the forget
--- deletes the row after this commit, and a marker set now would outlive the row.
-local token, keep = ARGV[1], tonumber(ARGV[2])
+-- redundant insert. The one exception is a forget's hold (a token starting with "F"):
+-- the forget deletes the row after this commit, so its hold goes back, with no marker.
+local token, keep, lease = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local held = 0
 for _, key in ipairs(KEYS) do
-  local cur = redis.call('GET', key)
-  if not (cur and string.byte(cur, 1) == 70) then
-    if keep > 0 then
-      redis.call('SET', key, '1', 'PX', keep)
-    else
-      redis.call('SET', key, '1')
-    end
-    if cur == token then held = held + 1 end
+  local old
+  if keep > 0 then
+    old = set_get(key, '1', 'PX', keep)
+  else
+    old = set_get(key, '1')
+  end
+  if old == token then
+    held = held + 1
+  elseif old and string.byte(old, 1) == 70 then
+    redis.call('SET', key, old, 'PX', lease)
   end
 end
 return held
@@ -156,30 +158,34 @@ COMMIT_COMPACT = (
 -- KEYS: the lease keys whose rows are committed (n)
 -- ARGV[1]: the committer's token; ARGV[2]: when the current generation's buckets
 --   expire, Unix time in ms, 0 = never; ARGV[3]: buckets per hash tag; ARGV[4]: the
---   current generation's name; ARGV[4+i]: the locator of value i
+--   current generation's name; ARGV[5]: the lease in milliseconds; ARGV[5+i]: the
+--   locator of value i
 -- Returns: how many of the lease keys still held the committer's lease
 -- The row is durable, so the value becomes "saved" whoever holds the lease now (a lost
 -- lease is not an error) and the lease key goes: another claimant's lease, or an
 -- old-layout "1", which the field now replaces. The field is set before the lease key
--- goes, so a failure in between leaves a lease that expires, never a gap.
+-- goes, so a failure in between leaves a lease that expires, never a gap. A forget's
+-- hold (a token starting with "F") is the exception: the forget deletes the row after
+-- this commit, so the field is taken back and the hold put back (see COMMIT).
 local token, at, per_tag, gen = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local lease = ARGV[5]
 """
     + _BUCKET
     + """
 local held = 0
 for i, key in ipairs(KEYS) do
-  local cur = redis.call('GET', key)
-  if not (cur and string.byte(cur, 1) == 70) then  -- "F": a forget holds it, see COMMIT
-    local loc = ARGV[4 + i]
-    local b = bucket(key, loc, gen)
-    redis.call('HSET', b, string.sub(loc, 4), '1')
-    if cur then
-      redis.call('DEL', key)
-      if cur == token then held = held + 1 end
-    end
-    if at > 0 and redis.call('PTTL', b) < 0 then
-      redis.call('PEXPIREAT', b, at)
-    end
+  local loc = ARGV[5 + i]
+  local b, field = bucket(key, loc, gen), string.sub(loc, 4)
+  redis.call('HSET', b, field, '1')
+  local cur = getdel(key)
+  if cur == token then
+    held = held + 1
+  elseif cur and string.byte(cur, 1) == 70 then
+    redis.call('HDEL', b, field)
+    redis.call('SET', key, cur, 'PX', lease)
+  end
+  if at > 0 and redis.call('PTTL', b) < 0 then
+    redis.call('PEXPIREAT', b, at)
   end
 end
 return held
