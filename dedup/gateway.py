@@ -140,8 +140,15 @@ class Gateway(RunOnceMixin):
                 # wait (briefly) for that, so that repeats are local from the start.
                 await self._engine.invalidations.ready(self.options.redis_timeout_s)
         except BaseException:
-            await self._backends.aclose()
-            self._state = "closed"
+            # Cancelled or failed after the engine started (its tasks hold connections):
+            # stop it before closing what it uses.
+            engine, self._engine = self._engine, None
+            try:
+                if engine is not None:
+                    await engine.stop()
+            finally:
+                await self._backends.aclose()
+                self._state = "closed"
             raise
         self._state = "open"
 

@@ -211,6 +211,7 @@ def cluster_servers() -> Iterator[RedisClusterServers]:
         yield servers
 
 
+@pytest.mark.redis6
 @pytest.mark.parametrize("layout", ["compact", "keys"])
 async def test_forgets_during_saves_on_a_cluster(
     cluster_servers: RedisClusterServers,
