@@ -541,36 +541,34 @@ def _invalid(message: str, *, field: str | None, index: int | None = None) -> _A
     return _ApiError(422, "invalid_input", message, **extra)
 
 
-def _item(obj: Any, index: int | None) -> tuple[Any, Any, Any]:
-    """(kind, value, payload) of one item object; the Gateway checks their types and sizes."""
+def _fields(obj: Any, index: int | None, fields: frozenset[str], expected: str) -> dict[str, Any]:
+    """One item object, checked for its shape: a JSON object of ``fields`` only (named in
+    order in ``expected``), with ``kind`` and ``value``; the Gateway checks their types
+    and sizes."""
     if type(obj) is not dict:
         what = "the body" if index is None else "each item"
         raise _invalid(f"{what} must be a JSON object", field=None, index=index)
-    if len(obj) > 3 or not obj.keys() <= _ITEM_FIELDS:
-        unknown = sorted(set(obj) - _ITEM_FIELDS)[0]
+    if not obj.keys() <= fields:
+        unknown = sorted(set(obj) - fields)[0]
         raise _invalid(
-            f"unknown field {unknown!r} (expected kind, value, payload)", field=unknown, index=index
+            f"unknown field {unknown!r} (expected {expected})", field=unknown, index=index
         )
-    try:
-        return obj["kind"], obj["value"], obj.get("payload")
-    except KeyError as exc:
-        raise _invalid(f"{exc.args[0]} is required", field=exc.args[0], index=index) from None
+    for name in ("kind", "value"):
+        if name not in obj:
+            raise _invalid(f"{name} is required", field=name, index=index)
+    return obj
+
+
+def _item(obj: Any, index: int | None) -> tuple[Any, Any, Any]:
+    """(kind, value, payload) of one save object."""
+    obj = _fields(obj, index, _ITEM_FIELDS, "kind, value, payload")
+    return obj["kind"], obj["value"], obj.get("payload")
 
 
 def _forget_item(obj: Any, index: int | None) -> tuple[Any, Any]:
-    """(kind, value) of one forget object; the Gateway checks their types and sizes."""
-    if type(obj) is not dict:
-        what = "the body" if index is None else "each item"
-        raise _invalid(f"{what} must be a JSON object", field=None, index=index)
-    if len(obj) > 2 or not obj.keys() <= _FORGET_FIELDS:
-        unknown = sorted(set(obj) - _FORGET_FIELDS)[0]
-        raise _invalid(
-            f"unknown field {unknown!r} (expected kind, value)", field=unknown, index=index
-        )
-    try:
-        return obj["kind"], obj["value"]
-    except KeyError as exc:
-        raise _invalid(f"{exc.args[0]} is required", field=exc.args[0], index=index) from None
+    """(kind, value) of one forget object."""
+    obj = _fields(obj, index, _FORGET_FIELDS, "kind, value")
+    return obj["kind"], obj["value"]
 
 
 def _from_dedup(exc: DedupError, service: _Service) -> _ApiError:

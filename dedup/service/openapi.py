@@ -161,6 +161,20 @@ def openapi_document(
         "description": "No NUL; at most max_value_bytes in UTF-8.",
     }
     forget_errors = {**errors, "409": {"$ref": "#/components/responses/CannotForget"}}
+
+    def items_of(schema: str, key: str, bound: bool) -> dict[str, Any]:
+        """An object whose only field ``key`` is an array of ``schema``: a batch
+        (closed, at most max_batch_items) or the answer to one."""
+        array: dict[str, Any] = {"type": "array"}
+        if bound:
+            array["maxItems"] = max_batch_items
+        array["items"] = {"$ref": f"#/components/schemas/{schema}"}
+        document: dict[str, Any] = {"type": "object", "required": [key]}
+        if bound:
+            document["additionalProperties"] = False
+        document["properties"] = {key: array}
+        return document
+
     security: list[dict[str, list[str]]] = [{"bearer": []}] if auth else []
     request_body = f"Content-Type must be application/json; at most {max_body_bytes} bytes."
     return {
@@ -413,18 +427,7 @@ def openapi_document(
                         },
                     ],
                 },
-                "Batch": {
-                    "type": "object",
-                    "required": ["items"],
-                    "additionalProperties": False,
-                    "properties": {
-                        "items": {
-                            "type": "array",
-                            "maxItems": max_batch_items,
-                            "items": {"$ref": "#/components/schemas/Item"},
-                        }
-                    },
-                },
+                "Batch": items_of("Item", "items", bound=True),
                 "SaveResult": {
                     "type": "object",
                     "required": ["created", "source"],
@@ -440,16 +443,7 @@ def openapi_document(
                         },
                     },
                 },
-                "BatchResult": {
-                    "type": "object",
-                    "required": ["results"],
-                    "properties": {
-                        "results": {
-                            "type": "array",
-                            "items": {"$ref": "#/components/schemas/SaveResult"},
-                        }
-                    },
-                },
+                "BatchResult": items_of("SaveResult", "results", bound=False),
                 "ForgetItem": {
                     "type": "object",
                     "required": ["kind", "value"],
@@ -459,18 +453,7 @@ def openapi_document(
                         "value": value_schema,
                     },
                 },
-                "ForgetBatch": {
-                    "type": "object",
-                    "required": ["items"],
-                    "additionalProperties": False,
-                    "properties": {
-                        "items": {
-                            "type": "array",
-                            "maxItems": max_batch_items,
-                            "items": {"$ref": "#/components/schemas/ForgetItem"},
-                        }
-                    },
-                },
+                "ForgetBatch": items_of("ForgetItem", "items", bound=True),
                 "ForgetResult": {
                     "type": "object",
                     "required": ["forgotten"],
@@ -483,16 +466,7 @@ def openapi_document(
                         }
                     },
                 },
-                "ForgetBatchResult": {
-                    "type": "object",
-                    "required": ["results"],
-                    "properties": {
-                        "results": {
-                            "type": "array",
-                            "items": {"$ref": "#/components/schemas/ForgetResult"},
-                        }
-                    },
-                },
+                "ForgetBatchResult": items_of("ForgetResult", "results", bound=False),
                 "Health": {
                     "type": "object",
                     "required": ["status", "pid"],
