@@ -29,6 +29,8 @@ import importlib
 import itertools
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -145,6 +147,24 @@ def fresh_pg() -> Iterator[PostgresCluster]:
 
 
 # ------------------------------------------------------------------ gateway children
+
+
+@pytest.fixture
+def children() -> Iterator[list[subprocess.Popen[str]]]:
+    """Child processes a test starts (append them): each is SIGCONTed (a stopped process
+    cannot die), SIGKILLed if still running, reaped and its pipes closed at the end."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+            p.wait(timeout=30)
+            for stream in (p.stdin, p.stdout):
+                if stream is not None:
+                    stream.close()
 
 
 @pytest.fixture

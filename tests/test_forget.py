@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -30,22 +29,6 @@ from tests.test_multiprocess import read_line
 
 ROOT = Path(__file__).resolve().parent.parent
 LINE_S = 90.0
-
-
-@pytest.fixture
-def children() -> Iterator[list[subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-            p.wait(timeout=30)
-            for stream in (p.stdin, p.stdout):
-                if stream is not None:
-                    stream.close()
 
 
 def _spawn(children: list[subprocess.Popen[str]], job: dict[str, Any]) -> subprocess.Popen[str]:

@@ -5,16 +5,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import asyncpg
-import pytest
 
 from dedup import Gateway
 
@@ -55,22 +52,6 @@ def read_line(proc: subprocess.Popen[str], timeout: float = 30) -> str:
     finally:
         os.set_blocking(proc.stdout.fileno(), True)
     raise AssertionError(f"child did not answer in time: {''.join(parts)!r}")
-
-
-@pytest.fixture
-def children() -> Iterator[list[subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-            p.wait(timeout=30)
-            for stream in (p.stdin, p.stdout):
-                if stream is not None:
-                    stream.close()
 
 
 async def _rows(pg_url: str) -> int:
