@@ -106,6 +106,18 @@ async def follow_primary(client: Redis, interval_s: float = FOLLOW_S) -> None:
             mux.drop()
 
 
+def _connection_retry() -> Retry:
+    """The pools' retry: a pooled connection that died with a restarted server (or a
+    failover) fails on its next use, so such errors are retried twice on a fresh
+    connection (every script here is safe to repeat), but not timeouts, which would
+    multiply the wait on a slow server."""
+    return Retry(
+        ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S),
+        CONNECTION_RETRIES,
+        supported_errors=(ConnectionError,),
+    )
+
+
 def _connect_sentinel(url: str, common: dict[str, Any], max_connections: int) -> Redis:
     """A client of the primary a Sentinel URL names (see :class:`SentinelMuxPool`)."""
     parts = parse_sentinel_url(url)
@@ -129,16 +141,11 @@ def _connect_sentinel(url: str, common: dict[str, Any], max_connections: int) ->
         parts.sentinels, sentinel_kwargs=sentinel_kwargs, **node_kwargs
     )
     # The nodes' TLS files: SentinelConnectionPool takes ``ssl`` and passes the rest on.
-    retry = Retry(
-        ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S),
-        CONNECTION_RETRIES,
-        supported_errors=(ConnectionError,),
-    )
     pool = SentinelMuxPool(  # type: ignore[no-untyped-call]
         parts.service,
         sentinel,
         max_connections=max_connections,
-        retry=retry,
+        retry=_connection_retry(),
         **node_kwargs,
         **tls,
     )
@@ -185,16 +192,12 @@ def connect_redis(url: str, *, max_connections: int, timeout_s: float) -> Redis 
                     for node in cluster.nodes_manager.startup_nodes.values():
                         node.connection_class = fast
                 return cluster
-        # A pooled connection that died with a restarted server fails on its next use:
-        # retry such errors twice on a fresh connection (every script here is safe to
-        # repeat), but not timeouts, which would multiply the wait on a slow server.
-        retry = Retry(
-            ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S),
-            CONNECTION_RETRIES,
-            supported_errors=(ConnectionError,),
-        )
         pool = MuxPool.from_url(
-            url, max_connections=max_connections, timeout=timeout_s, retry=retry, **common
+            url,
+            max_connections=max_connections,
+            timeout=timeout_s,
+            retry=_connection_retry(),
+            **common,
         )
         # Batches of thousands of script arguments: pack them faster than redis-py does.
         pool.connection_class = fast_packing(pool.connection_class)

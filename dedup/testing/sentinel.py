@@ -87,32 +87,24 @@ class RedisSentinelServers:
         finally:
             client.close()
 
+    def _named_by(self, sentinel: SentinelServer) -> int | None:
+        """The primary's port as ``sentinel`` names it (None: it does not answer)."""
+        try:
+            address = self.command(
+                sentinel, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE, timeout=1.0
+            )
+        except redis.RedisError:
+            return None
+        return int(address[1]) if address else None
+
     def primary_port(self) -> int | None:
         """The primary's port as the first sentinel that answers names it (None: none does)."""
-        for sentinel in self.sentinels:
-            try:
-                address = self.command(
-                    sentinel, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE, timeout=1.0
-                )
-            except redis.RedisError:
-                continue
-            if address:
-                return int(address[1])
-        return None
+        return next((p for s in self.sentinels if (p := self._named_by(s)) is not None), None)
 
     def named_by_all(self, port: int) -> bool:
         """Whether every sentinel names the server on ``port`` as the primary (after a
         failover they learn it from each other within a couple of seconds)."""
-        for sentinel in self.sentinels:
-            try:
-                address = self.command(
-                    sentinel, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE, timeout=1.0
-                )
-            except redis.RedisError:
-                return False
-            if not address or int(address[1]) != port:
-                return False
-        return True
+        return all(self._named_by(s) == port for s in self.sentinels)
 
     def role(self, node: RedisServer) -> str:
         """``master`` or ``slave``, as ``node`` says (ROLE)."""
