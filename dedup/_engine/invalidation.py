@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import logging
 import secrets
 import time
@@ -52,6 +50,7 @@ from redis.exceptions import NoPermissionError, RedisError
 
 from dedup._claims.keys import derive_key
 from dedup._engine.local import SavedCache
+from dedup._engine.shared_wire import BadMessage, sign, signed_body
 from dedup._redis.mux import Mux
 from dedup._values import DIGEST_BYTES, validate_kind
 from dedup.errors import InvalidInput
@@ -71,7 +70,6 @@ FORGET_WAIT_S = WINDOW_S * 1.01 + 0.02
 
 _FORMAT = 1
 _TOPIC = "forgotten"
-_MAC_BYTES = 16
 _CHUNK = 2000  # digests per message (64 KB of hex)
 _RETRY_S = 0.2
 
@@ -165,7 +163,7 @@ class Invalidations:
         if channel == self._channel_b:
             try:
                 kind, digests = self._read(data)
-            except ValueError as exc:
+            except BadMessage as exc:
                 self.bad_messages += 1
                 log.warning("an invalidation message was ignored: %s", exc)
                 return True
@@ -199,36 +197,26 @@ class Invalidations:
 
     def _message(self, kind: str, digests: Iterable[bytes]) -> bytes:
         body = orjson.dumps([_FORMAT, _TOPIC, kind, b"".join(digests).hex()])
-        return self._sign(body) + b"|" + body
-
-    def _sign(self, body: bytes) -> bytes:
-        if not self._mac_key:
-            return b""
-        return hashlib.blake2b(body, digest_size=_MAC_BYTES, key=self._mac_key).hexdigest().encode()
+        return sign(body, self._mac_key)
 
     def _read(self, raw: object) -> tuple[str, list[bytes]]:
-        """The kind and digests of an invalidation; ValueError when it cannot be used."""
-        if not isinstance(raw, bytes):
-            raise ValueError("not bytes")
-        mac, sep, body = raw.partition(b"|")
-        if not sep:
-            raise ValueError("no signature field")
-        if self._mac_key and not hmac.compare_digest(mac, self._sign(body)):
-            raise ValueError("its signature does not match (shared_secret)")
+        """The kind and digests of an invalidation; :class:`BadMessage` when it cannot be
+        used."""
+        body = signed_body(raw, self._mac_key)
         try:
             fields: Any = orjson.loads(body)
         except orjson.JSONDecodeError:
-            raise ValueError("not JSON") from None
+            raise BadMessage("not JSON") from None
         if not (isinstance(fields, list) and len(fields) == 4 and fields[:2] == [_FORMAT, _TOPIC]):
-            raise ValueError(f"not an invalidation of format {_FORMAT}")
+            raise BadMessage(f"not an invalidation of format {_FORMAT}")
         kind, hexed = fields[2], fields[3]
         if not isinstance(hexed, str) or len(hexed) % (2 * DIGEST_BYTES):
-            raise ValueError("malformed digests")
+            raise BadMessage("malformed digests")
         try:
             kind = validate_kind(kind)
             flat = bytes.fromhex(hexed)
         except (InvalidInput, ValueError):
-            raise ValueError("malformed kind or digests") from None
+            raise BadMessage("malformed kind or digests") from None
         return kind, [flat[i : i + DIGEST_BYTES] for i in range(0, len(flat), DIGEST_BYTES)]
 
     # ------------------------------------------------------------- tasks

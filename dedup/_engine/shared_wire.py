@@ -35,7 +35,7 @@ from dedup._values import DIGEST_BYTES, Limits, encode_payload, validate_kind, v
 from dedup.errors import InvalidInput
 from dedup.types import Row
 
-__all__ = ["FORMAT", "SAVED", "BadMessage", "QueuedRow", "Wire", "sink_id"]
+__all__ = ["FORMAT", "SAVED", "BadMessage", "QueuedRow", "Wire", "sign", "signed_body", "sink_id"]
 
 FORMAT = 1
 """The version of queued rows and answers; a gateway reads only its own version."""
@@ -247,22 +247,11 @@ class Wire:
     # ------------------------------------------------------------- signatures
 
     def _sign(self, body: bytes) -> bytes:
-        if not self._mac_key:
-            return b"|" + body
-        mac = hashlib.blake2b(body, digest_size=_MAC_BYTES, key=self._mac_key).hexdigest()
-        return mac.encode() + b"|" + body
+        return sign(body, self._mac_key)
 
     def _open(self, raw: object) -> list[Any]:
         """The fields of a message for this sink, its signature checked."""
-        if not isinstance(raw, bytes):
-            raise BadMessage("a message is not bytes")
-        mac, sep, body = raw.partition(b"|")
-        if not sep:
-            raise BadMessage("a message has no signature field")
-        if self._mac_key:
-            good = hashlib.blake2b(body, digest_size=_MAC_BYTES, key=self._mac_key).hexdigest()
-            if not hmac.compare_digest(mac, good.encode()):
-                raise BadMessage("a message's signature does not match (shared_secret)")
+        body = signed_body(raw, self._mac_key)
         try:
             fields = orjson.loads(body)
         except orjson.JSONDecodeError:
@@ -274,6 +263,31 @@ class Wire:
         if fields[1] != self.sink:
             raise BadMessage("a message is meant for another sink")
         return fields
+
+
+def sign(body: bytes, key: bytes) -> bytes:
+    """``body`` as a message of the fleet's channels: ``<mac>|<body>``, the mac a keyed
+    BLAKE2b of the body in hex (empty without a ``key``)."""
+    if not key:
+        return b"|" + body
+    return _mac(body, key) + b"|" + body
+
+
+def signed_body(raw: object, key: bytes) -> bytes:
+    """The body of a message made by :func:`sign`, its mac checked when there is a
+    ``key``; :class:`BadMessage` when it is not such a message."""
+    if not isinstance(raw, bytes):
+        raise BadMessage("a message is not bytes")
+    mac, sep, body = raw.partition(b"|")
+    if not sep:
+        raise BadMessage("a message has no signature field")
+    if key and not hmac.compare_digest(mac, _mac(body, key)):
+        raise BadMessage("a message's signature does not match (shared_secret)")
+    return body
+
+
+def _mac(body: bytes, key: bytes) -> bytes:
+    return hashlib.blake2b(body, digest_size=_MAC_BYTES, key=key).hexdigest().encode()
 
 
 def _remember(seen: set[str], item: str) -> None:
