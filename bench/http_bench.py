@@ -340,6 +340,9 @@ def serve_bare(kind: str, port: int) -> None:
         def refuse(self, status: int, code: str, message: str) -> Response:
             return Response(status, b"{}")
 
+        def connection_refused(self) -> None:
+            pass
+
     async def aiohttp_handler(request: web.Request) -> web.Response:
         status, body = _bare_answer(request.path, await request.read())
         return web.Response(status=status, body=body, content_type="application/json")

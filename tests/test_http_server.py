@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
+from typing import Any
 
 import aiohttp
 import asyncpg
@@ -28,7 +30,14 @@ from aiohttp import web
 
 from dedup import Gateway
 from dedup.service import create_app
-from dedup.service.http import MAX_HEADERS, MAX_LINE_BYTES, HttpServer, Request, Response
+from dedup.service.http import (
+    MAX_HEADERS,
+    MAX_LINE_BYTES,
+    HttpServer,
+    Limits,
+    Request,
+    Response,
+)
 from dedup.service.settings import ServiceSettings
 
 DEADLINE_S = 20.0
@@ -38,6 +47,8 @@ SILENCE_S = 0.2
 by waiting on an event; a short bounded wait is the evidence)."""
 LIMIT = 64
 """The test handler's ``max_body_bytes``."""
+BIG = b"b" * 16384
+"""The body of the test handler's answers to ``/big...``."""
 MARKER = b"MARKER-" + secrets.token_hex(6).encode()
 """Put in refused requests: it must appear in no answer and no log line."""
 
@@ -58,6 +69,7 @@ class Recorder:
     heads: list[str] = field(default_factory=list)
     handled: list[Request] = field(default_factory=list)
     refused: list[tuple[int, str]] = field(default_factory=list)
+    connections_refused: int = 0
     gates: defaultdict[str, asyncio.Event] = field(
         default_factory=lambda: defaultdict(asyncio.Event)
     )
@@ -81,6 +93,8 @@ class Recorder:
         self.handled.append(request)
         if request.path.startswith("/slow/"):
             return self._slow(request.path.removeprefix("/slow/"))
+        if request.path.startswith("/big"):
+            return Response(200, BIG, "text/plain")
         if request.path == "/fail":
             return self._fail()
         return Response(
@@ -90,6 +104,9 @@ class Recorder:
     def refuse(self, status: int, code: str, message: str) -> Response:
         self.refused.append((status, code))
         return Response(status, json.dumps({"error": {"code": code, "message": message}}).encode())
+
+    def connection_refused(self) -> None:
+        self.connections_refused += 1
 
     async def _slow(self, name: str) -> Response:
         self.started[name].set()
@@ -111,10 +128,19 @@ class Recorder:
 
 @contextlib.asynccontextmanager
 async def serving(
-    handler: Recorder, *, keepalive_timeout_s: float = 30.0, access_log: bool = False
+    handler: Recorder,
+    *,
+    keepalive_timeout_s: float = 30.0,
+    access_log: bool = False,
+    **limits: Any,
 ) -> AsyncIterator[tuple[HttpServer, int]]:
-    """An :class:`HttpServer` on 127.0.0.1 (a free port), drained at the end."""
-    server = HttpServer(handler, keepalive_timeout_s=keepalive_timeout_s, access_log=access_log)
+    """An :class:`HttpServer` on 127.0.0.1 (a free port), drained at the end; ``limits``
+    are :class:`~dedup.service.http.Limits` fields."""
+    server = HttpServer(
+        handler,
+        limits=Limits(keepalive_timeout_s=keepalive_timeout_s, **limits),
+        access_log=access_log,
+    )
     port = await server.start("127.0.0.1", 0)
     try:
         yield server, port
@@ -404,33 +430,90 @@ async def test_head_gets_the_length_of_the_body_and_no_body() -> None:
 # ------------------------------------------------------------------- 6. refusals
 
 _REFUSED = {
-    "garbage request line": b"THIS IS NOT " + MARKER + b"\r\n\r\n",
-    "request target too long": get("/" + MARKER.decode() + "a" * MAX_LINE_BYTES),
-    "header too long": get("/x", f"X-Big: {MARKER.decode()}{'v' * MAX_LINE_BYTES}"),
-    "too many headers": get("/x", *(f"X-H{n}: {MARKER.decode()}" for n in range(MAX_HEADERS + 1))),
-    "bad chunk size": get("/x", "Transfer-Encoding: chunked", method="POST")
-    + b"zz"
-    + MARKER
-    + b"\r\nhello\r\n0\r\n\r\n",
+    "garbage request line": (b"THIS IS NOT " + MARKER + b"\r\n\r\n", 400, "malformed_http"),
+    "request target too long": (
+        get("/" + MARKER.decode() + "a" * MAX_LINE_BYTES),
+        414,
+        "uri_too_long",
+    ),
+    "header too long": (
+        get("/x", f"X-Big: {MARKER.decode()}{'v' * MAX_LINE_BYTES}"),
+        431,
+        "headers_too_large",
+    ),
+    "too many headers": (
+        get("/x", *(f"X-H{n}: {MARKER.decode()}" for n in range(MAX_HEADERS + 1))),
+        431,
+        "headers_too_large",
+    ),
+    "head over max_head_bytes": (
+        get("/x", *(f"X-H{n}: {MARKER.decode()}{'h' * 8000}" for n in range(9))),
+        431,
+        "headers_too_large",
+    ),
+    "bad chunk size": (
+        get("/x", "Transfer-Encoding: chunked", method="POST")
+        + b"zz"
+        + MARKER
+        + b"\r\nhello\r\n0\r\n\r\n",
+        400,
+        "malformed_http",
+    ),
+    "HTTP/1.1 without Host": (
+        f"GET /x{MARKER.decode()} HTTP/1.1\r\nX-A: b\r\n\r\n".encode(),
+        400,
+        "malformed_http",
+    ),
+    "two Hosts": (get("/x", f"Host: {MARKER.decode()}"), 400, "malformed_http"),
+    "two Hosts in HTTP/1.0": (
+        get("/x", f"Host: {MARKER.decode()}", version="1.0"),
+        400,
+        "malformed_http",
+    ),
+    "HTTP/2.0 request line": (
+        get(f"/{MARKER.decode()}", version="2.0"),
+        505,
+        "http_version_not_supported",
+    ),
+    "CONNECT": (
+        f"CONNECT {MARKER.decode()}:443 HTTP/1.1\r\nHost: {MARKER.decode()}:443\r\n\r\n".encode(),
+        501,
+        "not_implemented",
+    ),
+    "Upgrade with a body": (
+        post(
+            "/x",
+            b'{"kind":"k","value":"' + MARKER + b'"}',
+            "Upgrade: websocket",
+            "Connection: Upgrade",
+        )
+        + get("/behind"),
+        400,
+        "malformed_http",
+    ),
 }
 
 
-@pytest.mark.parametrize("request_bytes", list(_REFUSED.values()), ids=list(_REFUSED))
-async def test_refused_requests_get_the_handlers_400_and_a_close(
-    request_bytes: bytes, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "code"), list(_REFUSED.values()), ids=list(_REFUSED)
+)
+async def test_refused_requests_get_one_answer_and_a_close(
+    request_bytes: bytes, status: int, code: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Exactly one answer (the handler's JSON error), then the end: nothing after the
+    refused request is read or answered, and nothing of it is quoted or logged."""
     caplog.set_level(logging.DEBUG)
     handler = Recorder()
     async with serving(handler, access_log=True) as (_, port), connect(port) as client:
         await client.send(request_bytes)
         reply = await client.reply()
-        assert reply.status == 400
-        assert reply.error_code() == "malformed_http"
+        assert reply.status == status
+        assert reply.error_code() == code
         assert reply.headers["connection"] == "close"
         rest = await client.eof()
         assert rest == b""
         assert MARKER not in reply.raw
-        assert handler.refused == [(400, "malformed_http")]
+        assert handler.refused == [(status, code)]
         assert handler.handled == []
     assert all(MARKER.decode() not in r.getMessage() for r in caplog.records)
 
@@ -455,7 +538,7 @@ async def test_a_request_line_too_long_in_pieces_is_refused() -> None:
         for _ in range(4):
             await client.send(b"a" * (MAX_LINE_BYTES // 3))
         reply = await client.reply()
-        assert (reply.status, reply.error_code()) == (400, "malformed_http")
+        assert (reply.status, reply.error_code()) == (414, "uri_too_long")
         assert await client.eof() == b""
 
 
@@ -623,22 +706,289 @@ async def test_drain_cancels_what_still_runs_at_its_deadline() -> None:
 
 
 async def test_a_client_that_disconnects_does_not_cancel_its_request() -> None:
+    """A client's end of sending (which a close is, to the server) leaves what it sent
+    whole to be answered: the request runs on, is not cancelled, and the connection
+    goes once its answer had nowhere to go."""
     handler = Recorder()
     async with serving(handler) as (server, port):
         async with connect(port) as client:
             await client.send(get("/slow/orphan"))
             await asyncio.wait_for(handler.started["orphan"].wait(), DEADLINE_S)
-        # Closed by the client; the server notices (no event to wait on: poll, bounded).
-        async with asyncio.timeout(DEADLINE_S):
-            while server.connections:
-                await asyncio.sleep(0.01)
+        await asyncio.sleep(SILENCE_S)
+        assert not handler.cancelled["orphan"].is_set()
         handler.gates["orphan"].set()
         await asyncio.wait_for(handler.finished["orphan"].wait(), DEADLINE_S)
         assert not handler.cancelled["orphan"].is_set()
+        # The server notices (no event to wait on: poll, bounded).
+        async with asyncio.timeout(DEADLINE_S):
+            while server.connections:
+                await asyncio.sleep(0.01)
         # The server goes on serving.
         async with connect(port) as other:
             await other.send(get("/still-here"))
             assert (await other.reply()).body == b"GET /still-here "
+
+
+async def test_a_client_that_shuts_its_sending_side_gets_every_answer() -> None:
+    """Requests sent whole, then the client's FIN (shutdown(SHUT_WR)): each is answered,
+    in order, and then the server closes."""
+    handler = Recorder()
+    async with serving(handler) as (server, port), connect(port) as client:
+        await client.send(get("/a") + get("/slow/b") + get("/c") + b"GET /partial HT")
+        client.writer.write_eof()
+        await asyncio.wait_for(handler.started["b"].wait(), DEADLINE_S)
+        handler.gates["b"].set()
+        rest = await client.eof()
+        assert rest.count(b"HTTP/1.1 200 OK") == 3
+        assert rest.index(b"GET /a ") < rest.index(b"slow b") < rest.index(b"GET /c ")
+        assert handler.paths() == ["/a", "/slow/b", "/c"]
+        async with asyncio.timeout(DEADLINE_S):
+            while server.connections:
+                await asyncio.sleep(0.01)
+
+
+# ------------------------------------------- 11. what one client may hold of a worker
+
+
+def _connection(server: HttpServer) -> Any:
+    """The server's one connection (the tests look at what it holds)."""
+    (connection,) = server.connections
+    return connection
+
+
+async def _send_until_blocked(client: Client, data: bytes, most: int) -> int:
+    """Send ``data`` again and again, up to ``most`` bytes, until the server stops
+    reading (a send that has not drained within a second); the bytes sent."""
+    sent = 0
+    while sent < most:
+        client.writer.write(data)
+        try:
+            await asyncio.wait_for(client.writer.drain(), 1.0)
+        except (TimeoutError, ConnectionError):  # not read, or already cut off
+            return sent
+        sent += len(data)
+    return sent
+
+
+async def test_a_client_that_never_reads_stops_being_read() -> None:
+    """Write backpressure: while a client's answers are unread, the server reads none
+    of its requests, so what the worker holds for it stays bounded (a write buffer
+    past its high-water mark, and a slice of parsed requests), not the answers to all
+    it sent."""
+    handler = Recorder()
+    async with serving(handler) as (server, port), connect(port) as client:
+        pipelined = get("/big") * 2000  # 16 KiB answers to 48 KiB of requests
+        sent = await _send_until_blocked(client, pipelined, 64 * 1024 * 1024)
+        assert sent < 64 * 1024 * 1024, "the server read everything a non-reader sent"
+        connection = _connection(server)
+        buffered = connection._transport.get_write_buffer_size()
+        assert buffered < 1024 * 1024, buffered
+        assert len(connection._queue) <= 4096 // len(get("/big")) + 1
+        answered = len(handler.handled)
+        await asyncio.sleep(SILENCE_S)
+        assert len(handler.handled) == answered  # nothing more is answered while unread
+        # Once it reads, it gets every answer, in order, and more is read.
+        for _ in range(answered + 10):
+            reply = await client.reply()
+            assert (reply.status, reply.body) == (200, BIG)
+        client.writer.transport.abort()  # what it still has to send would never drain
+
+
+async def test_one_pipelining_connection_does_not_hold_up_the_others() -> None:
+    """Fair service: a connection with thousands of pipelined requests waiting gets a
+    few answers per turn of the loop; another client's request is answered within a
+    few turns, not after all of them."""
+    handler = Recorder()
+    async with serving(handler) as (_, port), connect(port) as busy, connect(port) as other:
+        count = 20_000
+        reader = asyncio.create_task(_read_answers(busy, count))
+        busy.writer.write(get("/pipelined") * count)  # about 600 KB at once
+        await asyncio.wait_for(busy.writer.drain(), DEADLINE_S)
+        async with asyncio.timeout(DEADLINE_S):
+            while not handler.handled:
+                await asyncio.sleep(0)
+        before = len(handler.handled)
+        await other.send(get("/other"))
+        assert (await other.reply()).body == b"GET /other "
+        between = handler.paths().index("/other") - before
+        assert between < 1000, f"{between} pipelined requests were answered before it"
+        assert await asyncio.wait_for(reader, DEADLINE_S) == count
+
+
+async def _read_answers(client: Client, count: int) -> int:
+    for _ in range(count):
+        assert (await client.reply()).status == 200
+    return count
+
+
+async def test_a_head_not_whole_within_head_timeout_gets_408_and_a_close() -> None:
+    """A head that trickles in (a byte at a time, each well within any idle timeout) is
+    timed as a whole."""
+    handler = Recorder()
+    async with serving(handler, head_timeout_s=0.5) as (server, port), connect(port) as client:
+        await client.send(b"GET /slowloris HTTP/1.1\r\nHost: x\r\nX-")
+        trickle = asyncio.create_task(_trickle(client, b"a" * 100, 0.1))
+        try:
+            reply = await client.reply()
+        finally:
+            trickle.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+                await trickle
+        assert (reply.status, reply.error_code()) == (408, "request_timeout")
+        assert reply.headers["connection"] == "close"
+        assert handler.handled == []
+        async with asyncio.timeout(DEADLINE_S):
+            while server.connections:
+                await asyncio.sleep(0.01)
+
+
+async def _trickle(client: Client, data: bytes, every_s: float) -> None:
+    for byte in data:
+        await asyncio.sleep(every_s)
+        await client.send(bytes((byte,)))
+
+
+async def test_a_body_that_stalls_gets_408_and_one_that_trickles_is_served() -> None:
+    handler = Recorder()
+    async with serving(handler, body_timeout_s=0.6) as (_, port):
+        async with connect(port) as stalled:
+            await stalled.send(post("/stalled", b"0123456789")[:-7])  # 3 of its 10 bytes
+            reply = await stalled.reply()
+            assert (reply.status, reply.error_code()) == (408, "request_timeout")
+            assert await stalled.eof() == b""
+        async with connect(port) as slow:
+            whole = post("/trickled", b"abcdefgh")
+            await slow.send(whole[:-8])
+            await _trickle(slow, b"abcdefgh", 0.2)  # 1.6 s in all, progress every 0.2 s
+            reply = await slow.reply()
+            assert (reply.status, reply.body) == (200, b"POST /trickled abcdefgh")
+        assert handler.paths() == ["/trickled"]
+
+
+async def test_a_client_that_reads_nothing_for_send_timeout_is_cut_off() -> None:
+    handler = Recorder()
+    async with serving(handler, send_timeout_s=0.5) as (server, port), connect(port) as client:
+        await _send_until_blocked(client, get("/big") * 2000, 64 * 1024 * 1024)
+        async with asyncio.timeout(DEADLINE_S):
+            while server.connections:
+                await asyncio.sleep(0.05)
+
+
+async def test_connections_over_max_connections_are_closed_at_accept() -> None:
+    handler = Recorder()
+    async with serving(handler, max_connections=2) as (server, port):
+        async with connect(port) as one, connect(port) as two:
+            for client in (one, two):
+                await client.send(get("/in"))
+                assert (await client.reply()).status == 200
+            async with connect(port) as third:
+                assert await third.eof() == b""  # closed, with nothing said
+            assert handler.connections_refused == 1
+            await one.send(get("/still"))  # the others are served as before
+            assert (await one.reply()).body == b"GET /still "
+        async with asyncio.timeout(DEADLINE_S):
+            while server.connections:
+                await asyncio.sleep(0.01)
+        async with connect(port) as again:  # room again
+            await again.send(get("/again"))
+            assert (await again.reply()).body == b"GET /again "
+        assert handler.connections_refused == 1
+
+
+# ------------------------------------------------------------------ 12. framing
+
+
+async def test_upgrade_is_ignored_and_the_request_served_as_http_1_1() -> None:
+    """One answer to an Upgrade request (as HTTP/1.1; no 101), and the connection goes
+    on with the requests behind it."""
+    handler = Recorder()
+    async with serving(handler) as (_, port), connect(port) as client:
+        h2c = get(
+            "/h2c",
+            "Connection: Upgrade, HTTP2-Settings",
+            "Upgrade: h2c",
+            "HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA",
+        )
+        await client.send(h2c + get("/after"))
+        first = await client.reply()
+        assert (first.status, first.body, first.count("connection")) == (200, b"GET /h2c ", 0)
+        assert (await client.reply()).body == b"GET /after "
+        await client.silent()  # no second answer to the Upgrade
+        await client.send(get("/ws", "Connection: Upgrade", "Upgrade: websocket"))
+        assert (await client.reply()).body == b"GET /ws "
+        await client.send(get("/last"))
+        assert (await client.reply()).body == b"GET /last "
+        await client.silent()
+        assert handler.paths() == ["/h2c", "/after", "/ws", "/last"]
+
+
+@pytest.mark.parametrize(
+    "last",
+    [
+        get("/last", "Connection: close"),
+        get("/last", version="1.0"),
+        get("/slow/last", "Connection: close"),
+    ],
+    ids=["connection-close", "http-1.0", "slow-connection-close"],
+)
+async def test_nothing_after_a_last_request_is_answered(last: bytes) -> None:
+    """Requests pipelined after one that ends the connection are neither answered nor
+    logged (once, the server wrote after its write_eof(): a traceback)."""
+    handler = Recorder()
+    async with serving(handler) as (_, port), connect(port) as client:
+        await client.send(last + get("/behind") + b"NOT HTTP\r\n\r\n")
+        handler.gates["last"].set()
+        reply = await client.reply()
+        assert (reply.status, reply.headers["connection"]) == (200, "close")
+        assert await client.eof() == b""
+        assert [path.removeprefix("/slow") for path in handler.paths()] == ["/last"]
+        assert handler.refused == []
+
+
+async def test_drain_with_requests_pipelined_behind_a_slow_one_ends_cleanly() -> None:
+    handler = Recorder()
+    async with serving(handler) as (server, port), connect(port) as client:
+        await client.send(get("/slow/first") + get("/second") + get("/slow/third"))
+        await asyncio.wait_for(handler.started["first"].wait(), DEADLINE_S)
+        drain = asyncio.create_task(server.drain(DEADLINE_S))
+        await asyncio.sleep(SILENCE_S)
+        handler.gates["first"].set()
+        reply = await client.reply()
+        assert (reply.status, reply.body, reply.headers["connection"]) == (
+            200,
+            b"slow first",
+            "close",
+        )
+        assert await client.eof() == b""
+        await asyncio.wait_for(drain, DEADLINE_S)
+        assert handler.paths() == ["/slow/first"]
+        gc.collect()  # a task's exception never retrieved is logged when it is collected
+        await asyncio.sleep(0)
+
+
+async def test_an_absolute_form_target_is_served_as_its_path() -> None:
+    handler = Recorder()
+    async with serving(handler) as (_, port), connect(port) as client:
+        await client.send(
+            b"GET http://example.com:8080/abs/path?q=1 HTTP/1.1\r\nHost: other\r\n\r\n"
+            + b"GET HTTPS://example.com?only=query HTTP/1.1\r\nHost: x\r\n\r\n"
+            + b"GET http://example.com HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        assert (await client.reply()).body == b"GET /abs/path "
+        assert (await client.reply()).body == b"GET / "
+        assert (await client.reply()).body == b"GET / "
+    assert [(r.path, r.query) for r in handler.handled] == [
+        ("/abs/path", "q=1"),
+        ("/", "only=query"),
+        ("/", ""),
+    ]
+
+
+async def test_http_1_0_may_omit_host() -> None:
+    handler = Recorder()
+    async with serving(handler) as (_, port), connect(port) as client:
+        await client.send(b"GET /old HTTP/1.0\r\n\r\n")
+        assert (await client.reply()).body == b"GET /old "
 
 
 # ------------------------------------------------------------------ other behaviours

@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import re
+import resource
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
@@ -60,7 +61,7 @@ from dedup.errors import (
     WaitTimeout,
 )
 from dedup.gateway import Gateway
-from dedup.service.http import HttpServer, Request, Response
+from dedup.service.http import HttpServer, Limits, Request, Response
 from dedup.service.logs import setup_logging
 from dedup.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dedup.service.metrics import PUSH_INTERVAL_S, ServiceMetrics
@@ -89,6 +90,7 @@ log = logging.getLogger("dedup.service")
 HEARTBEAT_INTERVAL_S = 1.0
 """How often a served event loop calls ``serve``'s ``heartbeat``."""
 
+_OWN_FILES = 256  # files a worker keeps besides its clients: pools, logs, the listener
 _ITEM_FIELDS = frozenset(("kind", "value", "payload"))
 _FORGET_FIELDS = frozenset(("kind", "value"))
 _JSON = "application/json"
@@ -274,6 +276,10 @@ class _Service:
         response = _ApiError(status, code, message).response()
         self.metrics.response("other", status, 0.0)
         return response
+
+    def connection_refused(self) -> None:
+        """Count a connection closed at accept (``max_connections`` were open)."""
+        self.metrics.connections_refused += 1
 
     async def _finish(self, request: Request, answer: Coroutine[Any, Any, Response]) -> Response:
         try:
@@ -694,9 +700,18 @@ async def serve(
     if heartbeat is not None:
         beating = asyncio.create_task(_beat(heartbeat), name="dedup-heartbeat")
     service = _Service(gateway, settings)
+    limits = Limits(
+        keepalive_timeout_s=settings.keepalive_timeout_s,
+        head_timeout_s=settings.head_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        send_timeout_s=settings.send_timeout_s,
+        max_head_bytes=settings.max_head_bytes,
+        max_connections=settings.max_connections,
+    )
+    _raise_open_files_limit(settings.max_connections)
     server = HttpServer(
         service,
-        keepalive_timeout_s=settings.keepalive_timeout_s,
+        limits=limits,
         # One line per request: no headers or bodies, so the token and values stay out.
         access_log=settings.access_log,
     )
@@ -735,6 +750,29 @@ async def serve(
                 await beating
         for sig in signals:
             loop.remove_signal_handler(sig)
+
+
+def _raise_open_files_limit(connections: int) -> None:
+    """Lift this process's soft limit on open files toward the hard one, so that
+    ``connections`` clients (and the pools' own sockets) fit: past the limit, accept()
+    fails and asyncio stops accepting for a while, for every client."""
+    needed = connections + _OWN_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    if soft < needed:
+        log.warning(
+            "the open files limit (%d) is below max_connections (%d) plus %d of the "
+            "service's own: raise it (ulimit -n) or lower max_connections",
+            soft,
+            connections,
+            _OWN_FILES,
+        )
 
 
 async def _beat(heartbeat: Callable[[], None]) -> None:

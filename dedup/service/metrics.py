@@ -132,6 +132,8 @@ class ServiceMetrics:
         self.items = 0
         self.forget_items = 0
         self.forgotten = 0
+        self.connections_refused = 0
+        self._pushed_refused = 0
         self._pushed_responses: dict[tuple[str, int], int] = {}
         self._pushed_items = 0
         self._pushed_forget = (0, 0)
@@ -168,6 +170,11 @@ class ServiceMetrics:
         self._batch_items = _Buckets(batch_items, BATCH_BUCKETS)
         self._items = Counter(
             "dedup_http_items", "Items accepted for saving (single + batch).", registry=own
+        )
+        self._refused = Counter(
+            "dedup_http_connections_refused",
+            "Connections closed at accept because max_connections were open.",
+            registry=own,
         )
         forget_items = Counter(
             "dedup_http_forget_items",
@@ -261,6 +268,9 @@ class ServiceMetrics:
         if self.items != self._pushed_items:
             self._items.inc(self.items - self._pushed_items)
             self._pushed_items = self.items
+        if self.connections_refused != self._pushed_refused:
+            self._refused.inc(self.connections_refused - self._pushed_refused)
+            self._pushed_refused = self.connections_refused
         pushed_items, pushed_forgotten = self._pushed_forget
         if (self.forget_items, self.forgotten) != self._pushed_forget:
             forgotten = self.forgotten - pushed_forgotten

@@ -63,8 +63,9 @@ ERRORS: dict[str, tuple[int | None, str]] = {
     "malformed_json": (400, "the body is not valid JSON (or not UTF-8)."),
     "malformed_http": (
         400,
-        "the request is not valid HTTP/1.1 (a bad request line or header, a line over "
-        "8,190 bytes, a bad chunk size); the connection is closed.",
+        "the request is not valid HTTP/1.1 (a bad request line or header, a bad chunk "
+        "size, an HTTP/1.1 request without exactly one Host, an Upgrade with a body); "
+        "the connection is closed.",
     ),
     "unauthorized": (
         401,
@@ -72,12 +73,23 @@ ERRORS: dict[str, tuple[int | None, str]] = {
     ),
     "not_found": (404, "no such path."),
     "method_not_allowed": (405, "the path exists but not with this method (see Allow)."),
+    "request_timeout": (
+        408,
+        "the request's head did not arrive within head_timeout_s, or its body made no "
+        "progress for body_timeout_s; the connection is closed.",
+    ),
     "cannot_forget": (
         409,
         "this gateway cannot erase values (approximate/Bloom mode or a custom sink); "
         "nothing was deleted.",
     ),
     "body_too_large": (413, "the body is over max_body_bytes."),
+    "uri_too_long": (414, "the request target is over 8,190 bytes; the connection is closed."),
+    "headers_too_large": (
+        431,
+        "a header is over 8,190 bytes, there are over 128 header lines, or the head is "
+        "over max_head_bytes; the connection is closed.",
+    ),
     "unsupported_media_type": (
         415,
         "the Content-Type is not application/json, or the body has a Content-Encoding "
@@ -93,6 +105,7 @@ ERRORS: dict[str, tuple[int | None, str]] = {
         "this process has too many saves in flight; retry after Retry-After.",
     ),
     "internal_error": (500, "a bug; nothing was acknowledged."),
+    "not_implemented": (501, "CONNECT: the service is not a proxy; the connection is closed."),
     "unavailable": (
         503,
         "Redis or the database cannot be reached (`component`); nothing was "
@@ -105,6 +118,10 @@ ERRORS: dict[str, tuple[int | None, str]] = {
     "not_ready": (
         503,
         "the database cannot be reached (/readyz only), or the process is draining.",
+    ),
+    "http_version_not_supported": (
+        505,
+        "the request line's version is not HTTP/1.x; the connection is closed.",
     ),
     "http_error": (
         None,

@@ -158,6 +158,11 @@ class ServiceSettings:
     retry_after_s: int = 1
     backlog: int = 1024
     keepalive_timeout_s: float = 75.0
+    head_timeout_s: float = 20.0
+    body_timeout_s: float = 20.0
+    send_timeout_s: float = 30.0
+    max_head_bytes: int = 65536
+    max_connections: int = 4096
     access_log: bool = False
     log_level: str = "info"
     log_format: str = "text"
@@ -173,9 +178,18 @@ class ServiceSettings:
         if self.workers > 1 and self.port == 0:
             # Every worker binds on its own; with port 0 each would get a different port.
             raise ConfigError("workers > 1 needs a fixed port, not 0")
-        for name in ("max_body_bytes", "max_batch_items", "retry_after_s", "backlog"):
+        for name in (
+            "max_body_bytes",
+            "max_batch_items",
+            "retry_after_s",
+            "backlog",
+            "max_connections",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
+        if self.max_head_bytes < 1024:
+            # A usual request's head (a few headers and a bearer token) is under 1 KiB.
+            raise ConfigError(f"max_head_bytes must be at least 1024, got {self.max_head_bytes}")
         for f in fields(self):
             value = getattr(self, f.name)
             # NaN compares false with everything, so a bound alone would let it through.
