@@ -503,34 +503,42 @@ async def raw_exchange(url: str, request: bytes) -> tuple[int, dict[str, str], b
 async def test_requests_the_http_parser_refuses_get_json_errors(
     served: Served, http: aiohttp.ClientSession
 ) -> None:
-    """Requests aiohttp's parser refuses before any handler (a bad request line, a
-    header line too long, a bad chunk size): a 400 with the service's JSON error body,
-    which quotes none of the request (aiohttp's own answer did, and logged it with a
-    traceback: an over-long Authorization header put the token in the log; the last
+    """Requests the HTTP parser refuses before any handler (a bad request line, a
+    header line too long, a bad chunk size): the status with the service's JSON error
+    body, which quotes none of the request (aiohttp's own answer did, and logged it with
+    a traceback: an over-long Authorization header put the token in the log; the last
     test of this module checks the log), counted in the metrics as route "other"."""
     log_start = len(served.svc.log_text())
-    refused = '{code="400",route="other"}'
 
     async def refused_so_far() -> float:
         async with http.get("/metrics", headers=AUTH) as r:
-            return parse_metrics(await r.text()).get(f"dedup_http_responses_total{refused}", 0.0)
+            found = parse_metrics(await r.text())
+        return sum(
+            found.get(f'dedup_http_responses_total{{code="{code}",route="other"}}', 0.0)
+            for code in (400, 431)
+        )
 
     counted = await refused_so_far()
     too_long = f"Authorization: Bearer {TOKEN}{'a' * 9000}"
-    for request, quoted in [
-        (b"GARBAGE-LINE\r\n\r\n", b"GARBAGE"),
-        (f"POST /v1/save HTTP/1.1\r\nHost: x\r\n{too_long}\r\n\r\n".encode(), TOKEN.encode()),
+    for request, quoted, code in [
+        (b"GARBAGE-LINE\r\n\r\n", b"GARBAGE", "malformed_http"),
+        (
+            f"POST /v1/save HTTP/1.1\r\nHost: x\r\n{too_long}\r\n\r\n".encode(),
+            TOKEN.encode(),
+            "headers_too_large",
+        ),
         (
             b"POST /v1/save HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             + f"Authorization: Bearer {TOKEN}\r\n".encode()
             + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
             b"zz",
+            "malformed_http",
         ),
     ]:
         status, headers, body = await raw_exchange(served.svc.url, request)
-        assert status == 400, (request[:40], status, body)
+        assert status == {"malformed_http": 400, "headers_too_large": 431}[code], status
         assert headers["content-type"].startswith("application/json"), headers
-        assert_error(status, orjson.loads(body), "malformed_http")
+        assert_error(status, orjson.loads(body), code)
         assert quoted not in body
     assert "Traceback" not in served.svc.log_text()[log_start:]
     assert await refused_so_far() == counted + 3  # counted, as every other response

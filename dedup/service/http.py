@@ -501,6 +501,10 @@ class _Connection(asyncio.Protocol):
             raise _too_large(f"header is over {MAX_LINE_BYTES} bytes")
         if self._head_bytes + len(self._url) > self._limits.max_head_bytes:
             raise _too_large(f"head is over {self._limits.max_head_bytes} bytes")
+        if self._state != _HEAD:
+            return  # a chunked body's trailer: counted, not kept (RFC 9110 §6.5.1)
+        if value[-1:] in (b" ", b"\t"):
+            value = value.rstrip(b" \t")  # llhttp keeps the whitespace after a value
         key = name.decode("latin-1").lower()
         # As aiohttp read them: a token or type in UTF-8 compares as the text it is.
         text = value.decode("utf-8", "surrogateescape")
