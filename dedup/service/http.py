@@ -55,7 +55,7 @@ from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from email.utils import formatdate
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import httptools
 
@@ -251,20 +251,32 @@ def _too_large(what: str) -> _Refused:
 
 
 class _Clock:
-    """The Date header's value, formatted once a second."""
+    """The Date header's value (``value``), made once a second by a timer on the loop
+    rather than read from the system clock for every answer."""
 
-    __slots__ = ("_second", "_value")
+    __slots__ = ("_timer", "value")
 
     def __init__(self) -> None:
-        self._second = 0
-        self._value = b""
+        self.value = b""
+        self._timer: asyncio.TimerHandle | None = None
+        self.tick()
 
-    def date(self) -> bytes:
-        now = int(time.time())
-        if now != self._second:
-            self._second = now
-            self._value = formatdate(now, usegmt=True).encode()
-        return self._value
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Keep ``value`` current on ``loop``, a little after each second begins."""
+        self.tick()
+        now = time.time()
+        self._timer = loop.call_later(1.0 - now % 1.0 + 0.001, self._next, loop)
+
+    def _next(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.start(loop)
+
+    def tick(self) -> None:
+        self.value = formatdate(int(time.time()), usegmt=True).encode()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class _Connection(asyncio.Protocol):
@@ -279,6 +291,7 @@ class _Connection(asyncio.Protocol):
         self._server = server
         self._handler = server.handler
         self._limits = server.limits
+        self._max_head_bytes = server.limits.max_head_bytes
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._remote = "-"
@@ -293,7 +306,6 @@ class _Connection(asyncio.Protocol):
         self._body_size = 0
         self._request: Request | None = None
         self._early: Response | None = None  # the answer decided at its head
-        self._upgrade = False  # it asked for an Upgrade, which is ignored
         # Received, not parsed yet (parsed once the requests before are answered).
         self._inbox: memoryview | None = None
         # Parsed requests not answered yet, oldest first (the first may be running).
@@ -307,7 +319,8 @@ class _Connection(asyncio.Protocol):
         self._eof = False  # the client will send nothing more
         self._last = False  # nothing more is parsed
         self._sent_last = False  # nothing more is written
-        self._watched = -1  # the body's size at the last sweep, and since when
+        # The request whose body the sweeper watches, its size then, and since when.
+        self._watched: tuple[Request | None, int] = (None, -1)
         self._watched_at = 0.0
         self.last_active = time.perf_counter()
 
@@ -359,7 +372,11 @@ class _Connection(asyncio.Protocol):
             return  # after the last request (or a refusal): read and dropped
         inbox = self._inbox
         if inbox is None and not self._queue and len(data) <= _SLICE_BYTES:
-            self._feed(data)  # the usual case: one or a few requests, nothing before them
+            # The usual case: one or a few requests, nothing before them.
+            try:
+                self._parser.feed_data(data)
+            except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+                self._parse_failed(exc, data)
         else:
             self._inbox = memoryview(data if inbox is None else bytes(inbox) + data)
         self._work()
@@ -369,7 +386,6 @@ class _Connection(asyncio.Protocol):
     def _work(self) -> None:
         """Answer what is queued, in order, and parse more once it is answered; at most
         :data:`_TURN` steps, then come back on a later turn of the loop."""
-        self._scheduled = False
         queue = self._queue
         budget = _TURN
         while not self._sent_last:
@@ -380,7 +396,23 @@ class _Connection(asyncio.Protocol):
                     self._come_back()
                     break
                 budget -= 1
-                self._answer_first()
+                request, early = queue[0]
+                if early is not None:
+                    queue.popleft()
+                    self._send(early, request)
+                    continue
+                try:
+                    answer = self._handler.handle(request)
+                except Exception:
+                    log.exception("internal error answering %s", request.method)
+                    answer = self._handler.refuse(
+                        500, "internal_error", "internal error; nothing was acknowledged"
+                    )
+                if isinstance(answer, Response):
+                    queue.popleft()
+                    self._send(answer, request)
+                else:  # it must wait: in a task of its own, ahead of the rest
+                    self._running = self._server.loop.create_task(self._await(request, answer))
                 continue
             if self._refusal is not None:
                 if self._running is None and not self._write_paused:
@@ -406,7 +438,11 @@ class _Connection(asyncio.Protocol):
     def _come_back(self) -> None:
         if not self._scheduled:
             self._scheduled = True
-            self._server.loop.call_soon(self._work)
+            self._server.loop.call_soon(self._work_again)
+
+    def _work_again(self) -> None:
+        self._scheduled = False
+        self._work()
 
     def _flow(self) -> None:
         """Read while the client reads its answers and little of its input is waiting."""
@@ -436,14 +472,19 @@ class _Connection(asyncio.Protocol):
     def _feed(self, data: bytes | memoryview) -> None:
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserCallbackError as exc:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._parse_failed(exc, data)
+
+    def _parse_failed(self, exc: Exception, data: bytes | memoryview) -> None:
+        """What the parser raised: a refusal of ours, an Upgrade, or bad HTTP."""
+        if isinstance(exc, httptools.HttpParserCallbackError):
             refused = exc.__context__
             if isinstance(refused, _Refused):
                 self._refuse(refused.status, refused.code, refused.message, refused.response)
             else:  # a bug of the server's own: no traceback quotes the request
                 log.error("HTTP parser callback failed (%s)", type(refused).__name__)
                 self._refuse(500, "internal_error", "internal error; nothing was acknowledged")
-        except httptools.HttpParserUpgrade as exc:
+        elif isinstance(exc, httptools.HttpParserUpgrade):
             # The request asked for an Upgrade (without a body) and was read whole: the
             # rest is HTTP/1.1 again, for a parser of its own.
             self._parser = httptools.HttpRequestParser(self)
@@ -451,9 +492,7 @@ class _Connection(asyncio.Protocol):
             if len(rest) and not self._last:
                 inbox = self._inbox
                 self._inbox = memoryview(bytes(rest) + (b"" if inbox is None else bytes(inbox)))
-        except httptools.HttpParserError as exc:
-            if self._last:
-                return  # bytes after a request that ended the connection: dropped
+        elif not self._last:  # else: bytes after a request that ended the connection
             what = type(exc).__name__  # its text may quote the request
             self._refuse(400, "malformed_http", f"the request is not valid HTTP/1.1 ({what})")
 
@@ -479,10 +518,8 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._body = []
         self._body_size = 0
-        self._watched = -1
         self._request = None
         self._early = None
-        self._upgrade = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -495,19 +532,18 @@ class _Connection(asyncio.Protocol):
         self._header_count += 1
         size = len(name) + len(value)
         self._head_bytes += size + 4
-        if self._header_count > MAX_HEADERS:
-            raise _too_large(f"head has over {MAX_HEADERS} header lines")
-        if size > MAX_LINE_BYTES:
-            raise _too_large(f"header is over {MAX_LINE_BYTES} bytes")
-        if self._head_bytes + len(self._url) > self._limits.max_head_bytes:
-            raise _too_large(f"head is over {self._limits.max_head_bytes} bytes")
-        if self._state != _HEAD:
+        if (
+            size > MAX_LINE_BYTES
+            or self._head_bytes > self._max_head_bytes
+            or self._header_count > MAX_HEADERS
+        ):
+            self._head_too_large(size)
+        if self._request is not None:
             return  # a chunked body's trailer: counted, not kept (RFC 9110 §6.5.1)
-        if value[-1:] in (b" ", b"\t"):
-            value = value.rstrip(b" \t")  # llhttp keeps the whitespace after a value
         key = name.decode("latin-1").lower()
-        # As aiohttp read them: a token or type in UTF-8 compares as the text it is.
-        text = value.decode("utf-8", "surrogateescape")
+        # As aiohttp read them: a token or type in UTF-8 compares as the text it is;
+        # without the whitespace llhttp leaves after a value (RFC 9110 §5.5).
+        text = value.rstrip(b" \t").decode("utf-8", "surrogateescape")
         known = self._headers.get(key)
         if known is None:
             self._headers[key] = text
@@ -516,32 +552,39 @@ class _Connection(asyncio.Protocol):
         else:
             self._headers[key] = f"{known}, {text}"
 
+    def _head_too_large(self, size: int) -> NoReturn:
+        if self._header_count > MAX_HEADERS:
+            raise _too_large(f"head has over {MAX_HEADERS} header lines")
+        if size > MAX_LINE_BYTES:
+            raise _too_large(f"header is over {MAX_LINE_BYTES} bytes")
+        raise _too_large(f"header lines are over {self._max_head_bytes} bytes")
+
     def on_headers_complete(self) -> None:
         parser = self._parser
         version = parser.get_http_version()
-        if version[:2] != "1.":
-            raise _Refused(
-                505, "http_version_not_supported", "the service speaks HTTP/1.1 (and 1.0)"
-            )
         headers = self._headers
-        if version != "1.0" and "host" not in headers:
+        if version != "1.1":
+            if version != "1.0":
+                raise _Refused(
+                    505, "http_version_not_supported", "the service speaks HTTP/1.1 (and 1.0)"
+                )
+        elif "host" not in headers:  # RFC 9112 §3.2: exactly one in HTTP/1.1
             raise _malformed("no Host")
         method = parser.get_method().decode("ascii")
-        if parser.should_upgrade():
+        if ("upgrade" in headers or method == "CONNECT") and parser.should_upgrade():
             # llhttp would skip the body and hand the rest of the stream over: a CONNECT
             # tunnel or an upgraded protocol, neither of which the service speaks.
             if method == "CONNECT":
                 raise _Refused(501, "not_implemented", "CONNECT is not supported")
             if "transfer-encoding" in headers or headers.get("content-length", "0") != "0":
                 raise _malformed("Upgrade with a body")
-            self._upgrade = True
         self._state = _BODY
         request = Request(method, self._url, headers, self._remote, self._begun)
         request.version = version
         request.keep_alive = parser.should_keep_alive()
         self._request = request
         self._early = self._handler.head(request)
-        expects = headers.get("expect", "").lower() == "100-continue"
+        expects = "expect" in headers and headers["expect"].lower() == "100-continue"
         if expects and self._early is not None:
             # The client waits for a 100 before it sends the body: answer now (after the
             # requests before it) and close, as the body will not come.
@@ -570,40 +613,16 @@ class _Connection(asyncio.Protocol):
         self._queue.append((request, self._early))
         self._request = None
         self._state = _IDLE
-        if not request.keep_alive or self._upgrade:
-            # Nothing after it is read (RFC 9112 §9.6); an ignored Upgrade's rest goes to
-            # a new parser (see _feed), unless the request also ended the connection.
-            self._last = not request.keep_alive
-            if self._last:
-                self._inbox = None
+        if not request.keep_alive:  # nothing after it is read (RFC 9112 §9.6)
+            self._last = True
+            self._inbox = None
 
     # ------------------------------------------------------------------ answers
-
-    def _answer_first(self) -> None:
-        """Answer the oldest queued request: at once, or in a task of its own."""
-        queue = self._queue
-        request, early = queue[0]
-        if early is not None:
-            queue.popleft()
-            self._send(early, request=request)
-            return
-        try:
-            answer = self._handler.handle(request)
-        except Exception:
-            log.exception("internal error answering %s", request.method)
-            answer = self._handler.refuse(
-                500, "internal_error", "internal error; nothing was acknowledged"
-            )
-        if isinstance(answer, Response):
-            queue.popleft()
-            self._send(answer, request=request)
-        else:
-            self._running = self._server.loop.create_task(self._await(request, answer))
 
     async def _await(self, request: Request, answer: Awaitable[Response]) -> None:
         try:
             response = await answer
-        except Exception:  # as in _answer_first: a 500, and the requests behind it go on
+        except Exception:  # as in _work: a 500, and the requests behind it go on
             log.exception("internal error answering %s", request.method)
             response = self._handler.refuse(
                 500, "internal_error", "internal error; nothing was acknowledged"
@@ -613,11 +632,11 @@ class _Connection(asyncio.Protocol):
         if self._queue and self._queue[0][0] is request:
             self._queue.popleft()
         self._restart_head_clock()
-        self._send(response, request=request)
+        self._send(response, request)
         self._work()
 
     def _send(
-        self, response: Response, *, request: Request | None = None, keep_alive: bool = True
+        self, response: Response, request: Request | None = None, *, keep_alive: bool = True
     ) -> None:
         transport = self._transport
         if transport is None or self._sent_last:
@@ -635,12 +654,12 @@ class _Connection(asyncio.Protocol):
         elif request is not None and request.version == "1.0":
             connection = b"Connection: keep-alive\r\n"
         head = request is not None and request.method == "HEAD"
-        transport.write(response.wire(self._server.clock.date(), connection, head))
+        transport.write(response.wire(self._server.clock.value, connection, head))
         self.last_active = time.perf_counter()
         if (
-            request is not None
+            self._server.access_log
+            and request is not None
             and access_log.isEnabledFor(logging.INFO)
-            and self._server.access_log
         ):
             access_log.info(
                 '%s "%s %s HTTP/%s" %d %d %.6f',
@@ -696,8 +715,8 @@ class _Connection(asyncio.Protocol):
         elif state == _HEAD:
             if now - self._begun > limits.head_timeout_s:
                 self._timed_out(f"the request's head took over {limits.head_timeout_s:g} s")
-        elif self._body_size != self._watched:
-            self._watched, self._watched_at = self._body_size, now
+        elif (self._request, self._body_size) != self._watched:
+            self._watched, self._watched_at = (self._request, self._body_size), now
         elif now - self._watched_at > limits.body_timeout_s:
             self._timed_out(f"the request's body made no progress for {limits.body_timeout_s:g} s")
 
@@ -752,6 +771,7 @@ class HttpServer:
             lambda: _Connection(self), host, port, reuse_port=reuse_port or None, backlog=backlog
         )
         self._sweeper = asyncio.create_task(self._sweep(), name="dedup-http-sweep")
+        self.clock.start(loop)
         sockets = self._server.sockets
         return int(sockets[0].getsockname()[1]) if sockets else port
 
@@ -787,6 +807,7 @@ class HttpServer:
             await asyncio.sleep(0.05)
         for connection in list(self.connections):
             connection.close()  # at the deadline: what still runs acknowledges nothing
+        self.clock.stop()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
