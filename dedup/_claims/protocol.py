@@ -125,6 +125,17 @@ _SLOT_ERRORS = (TryAgainError, ClusterDownError)
 _RETRY_PAUSE_S = 0.05
 
 
+class _Epoch:
+    """The marker epoch, and the prefix of generation names it gives (see
+    :attr:`Claims.epoch`)."""
+
+    __slots__ = ("name", "value")
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.name = b""
+
+
 class Claims:
     """Claims, commits and aborts leases for batches of keys under one token.
 
@@ -155,6 +166,7 @@ class Claims:
         "_bloom",
         "_client",
         "_cluster",
+        "_epoch",
         "_generations",
         "_lease",
         "_markers",
@@ -202,6 +214,7 @@ class Claims:
         self._period_ms = -(-retention_ms // (marker_generations - 1)) if retention_ms > 0 else 0
         # "L" keeps a token distinct from the saved marker "1" whatever the randomness.
         self._token = "L" + secrets.token_hex(12)
+        self._epoch = _Epoch()  # shared with under_own_token's twins
         # On a cluster one batch takes a connection of each node it reaches; bounding
         # them all keeps each node's connections below its pool size (which raises,
         # not waits).
@@ -256,18 +269,32 @@ class Claims:
         """The approximate mode's filter sizing, or None."""
         return self._bloom
 
+    @property
+    def epoch(self) -> int:
+        """The namespace's marker epoch this Claims reads and writes: every marker of an
+        earlier epoch counts as absent (:mod:`dedup._engine.guardian` moves the fleet to
+        a new epoch when the database lost rows). 0: the names of before epochs."""
+        return self._epoch.value
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self._epoch.value = epoch
+        self._epoch.name = b"e%d_" % epoch if epoch else b""
+
     def generations(self, now_ms: int | None = None) -> tuple[list[bytes], int]:
         """The generation names a claim reads, newest first, and when the newest one's
-        buckets expire (Unix ms; 0 = never): ``([b""], 0)`` without a retention."""
+        buckets expire (Unix ms; 0 = never): ``([b""], 0)`` without a retention. An
+        epoch after 0 prefixes each name (``e3_``)."""
         period = self._period_ms
+        epoch = self._epoch.name
         if not period:
-            return [b""], 0
+            return [epoch], 0
         now = int(time.time() * 1000) if now_ms is None else now_ms
         g = now // period
         # Readers stop reading a generation at (g + n) * period by their own clocks; the
         # allowance keeps it a little longer for a reader whose clock is behind.
         expire_at = (g + self._generations) * period + min(period, _SKEW_ALLOWANCE_MS)
-        return [b"%d" % (g - j) for j in range(self._generations)], expire_at
+        return [b"%s%d" % (epoch, g - j) for j in range(self._generations)], expire_at
 
     async def claim(self, keys: Sequence[bytes]) -> str:
         """One letter per key: ``S`` saved, ``W`` won (lease held), ``B`` busy."""

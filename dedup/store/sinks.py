@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -30,12 +31,15 @@ __all__ = [
     "DefaultSink",
     "PostgresSink",
     "SqliteSink",
+    "Tombstone",
     "default_identity",
     "keep_session",
     "open_sink",
     "pg_insert",
     "sink_identity",
 ]
+
+log = logging.getLogger("dedup")
 
 TABLE = "dedup_items"
 """The default sinks' table (created by the migrations)."""
@@ -56,7 +60,24 @@ DELETE FROM dedup_items
 WHERE kind = $1 AND digest = ANY($2::bytea[]) AND ($3::timestamptz IS NULL OR created_at < $3)
 RETURNING digest
 """
+# dedup's own deletes: the tombstone trigger skips the transactions that set this.
+PG_FORGETTING = "SET LOCAL dedup.forgetting = 'on'"
 PG_CUTOFF = "SELECT now() - make_interval(secs => $1)"
+# Tombstones (migration 0002): the keys of rows deleted by anything else, oldest first.
+PG_TOMBSTONES = "SELECT id, kind, digest FROM dedup_tombstones ORDER BY id LIMIT $1"
+PG_DROP_TOMBSTONES = "DELETE FROM dedup_tombstones WHERE id = ANY($1::bigint[])"
+PG_COUNT_TOMBSTONES = "SELECT count(*) FROM dedup_tombstones"
+# Where the database is: its system identifier and timeline (a restore, a point-in-time
+# recovery or a promoted standby changes one of them) and its WAL position, in bytes.
+PG_POSITION = """
+SELECT (SELECT system_identifier FROM pg_control_system())::text
+       || '/' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8),
+       (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint
+"""
+PG_POSITION_UNPRIVILEGED = """
+SELECT substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8),
+       (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint
+"""
 PG_COUNT_OLDER = "SELECT count(*) FROM dedup_items WHERE kind = $1 AND created_at < $2"
 # Keyset pages in primary-key order: a prune walks the kind's rows once, with no index
 # on created_at (which every insert would pay for).
@@ -66,6 +87,7 @@ WHERE kind = $1 AND digest > $2 AND created_at < $3
 ORDER BY digest LIMIT $4
 """
 PG_TABLE_EXISTS = "SELECT to_regclass('dedup_items') IS NOT NULL"
+PG_TOMBSTONES_EXIST = "SELECT to_regclass('dedup_tombstones') IS NOT NULL"
 PG_FETCH = "SELECT payload::text FROM dedup_items WHERE kind = $1 AND digest = $2"
 PG_FETCH_MANY = """
 SELECT i.kind, i.digest, i.payload::text
@@ -152,6 +174,25 @@ class DefaultSink(Protocol):
         """Up to ``limit`` digests of rows of ``kind`` created before ``before``, in
         digest order, each greater than ``after``: one page of a prune."""
 
+    async def tombstones(self, limit: int) -> list[Tombstone]:
+        """Up to ``limit`` tombstones, oldest first: the keys of rows deleted by anything
+        but dedup (a key of None: every row, a TRUNCATE)."""
+
+    async def drop_tombstones(self, ids: Sequence[int]) -> None:
+        """Delete the tombstones ``ids`` (drained)."""
+
+    async def count_tombstones(self) -> int:
+        """How many tombstones wait to be drained."""
+
+    async def position(self) -> tuple[str, int] | None:
+        """Where the database is: an identity that a restore, a point-in-time recovery or
+        a failover changes, and a position that only grows otherwise (None: this
+        database cannot tell)."""
+
+
+Tombstone = tuple[int, str | None, bytes | None]
+"""A tombstone: its id, and the deleted row's kind and digest (None, None: every row)."""
+
 
 async def pg_insert(
     db: asyncpg.Pool | asyncpg.Connection, rows: Sequence[Row]
@@ -193,6 +234,8 @@ class PostgresSink:
         self._pool_size = pool_size
         self._timeout_ms = statement_timeout_ms
         self._pool: asyncpg.Pool | None = None
+        self._unprivileged = False
+        self._tombstones = True
 
     async def open(self) -> None:
         """Create the pool and check that ``dedup migrate`` has run."""
@@ -212,6 +255,12 @@ class PostgresSink:
             await self.aclose()
             raise ConfigError(
                 "table dedup_items does not exist in the database; run `dedup migrate` first"
+            )
+        self._tombstones = bool(await self._pool.fetchval(PG_TOMBSTONES_EXIST))
+        if not self._tombstones:
+            log.warning(
+                "the database's schema is older than this dedup (no dedup_tombstones): rows "
+                "deleted with SQL are not noticed until `dedup migrate` is run"
             )
 
     async def aclose(self) -> None:
@@ -238,8 +287,11 @@ class PostgresSink:
         return int(await self._require_pool().fetchval(PG_COUNT, list(kinds)))
 
     async def delete(self, kinds: Sequence[str]) -> int:
-        """Delete the rows of ``kinds``."""
-        status = await self._require_pool().execute(PG_DELETE, list(kinds))
+        """Delete the rows of ``kinds`` (no tombstones: used with the namespace's keys
+        deleted too)."""
+        async with self._require_pool().acquire() as conn, conn.transaction():
+            await conn.execute(PG_FORGETTING)
+            status = await conn.execute(PG_DELETE, list(kinds))
         return int(status.split()[-1])
 
     async def fetch(self, kind: str, digest: bytes) -> tuple[bool, str | None]:
@@ -259,8 +311,11 @@ class PostgresSink:
     async def forget_rows(
         self, kind: str, digests: Sequence[bytes], before: Any = None
     ) -> list[bytes]:
-        """Delete the rows of ``digests`` of ``kind`` (created before ``before``, if given)."""
-        records = await self._require_pool().fetch(PG_FORGET, kind, list(digests), before)
+        """Delete the rows of ``digests`` of ``kind`` (created before ``before``, if given),
+        with no tombstones: the forget cleared their markers already."""
+        async with self._require_pool().acquire() as conn, conn.transaction():
+            await conn.execute(PG_FORGETTING)
+            records = await conn.fetch(PG_FORGET, kind, list(digests), before)
         return [bytes(rec[0]) for rec in records]
 
     async def cutoff(self, older_than_s: float) -> Any:
@@ -275,6 +330,40 @@ class PostgresSink:
         """A page of the digests of rows of ``kind`` created before ``before``."""
         records = await self._require_pool().fetch(PG_OLDER, kind, after, before, limit)
         return [bytes(rec[0]) for rec in records]
+
+    async def tombstones(self, limit: int) -> list[Tombstone]:
+        """Up to ``limit`` tombstones, oldest first (none before ``dedup migrate``)."""
+        if not self._tombstones:
+            return []
+        records = await self._require_pool().fetch(PG_TOMBSTONES, limit)
+        return [(int(r[0]), r[1], None if r[2] is None else bytes(r[2])) for r in records]
+
+    async def drop_tombstones(self, ids: Sequence[int]) -> None:
+        """Delete the tombstones ``ids``."""
+        await self._require_pool().execute(PG_DROP_TOMBSTONES, list(ids))
+
+    async def count_tombstones(self) -> int:
+        """How many tombstones wait to be drained."""
+        return int(await self._require_pool().fetchval(PG_COUNT_TOMBSTONES))
+
+    async def position(self) -> tuple[str, int] | None:
+        """The system identifier and timeline, and the WAL position (None on a standby,
+        where there is no current WAL position to read). Without the right to read the
+        control file (``pg_control_system``, granted to superusers and
+        ``pg_read_all_stats`` where revoked), the timeline alone."""
+        pool = self._require_pool()
+        try:
+            if self._unprivileged:
+                record = await pool.fetchrow(PG_POSITION_UNPRIVILEGED)
+            else:
+                record = await pool.fetchrow(PG_POSITION)
+        except asyncpg.InsufficientPrivilegeError:
+            self._unprivileged = True
+            return await self.position()
+        except asyncpg.ObjectNotInPrerequisiteStateError:  # recovery is in progress
+            return None
+        assert record is not None
+        return str(record[0]), int(record[1])
 
 
 class SqliteSink:
@@ -297,6 +386,7 @@ class SqliteSink:
         # SQLite's busy timeout, inside the statement's bound (see the class docstring).
         self._busy_s = 0.8 * self._timeout_s
         self._engine: AsyncEngine | None = None
+        self._tombstones = True
 
     async def open(self) -> None:
         """Open the engine and check that the schema is there."""
@@ -318,6 +408,9 @@ class SqliteSink:
         try:
             async with engine.connect() as conn:
                 exists = await conn.run_sync(lambda c: sa.inspect(c).has_table("dedup_items"))
+                self._tombstones = await conn.run_sync(
+                    lambda c: sa.inspect(c).has_table("dedup_tombstones")
+                )
         except BaseException:
             await self.aclose()  # the caller registers aclose only after a good open
             raise
@@ -372,6 +465,13 @@ class SqliteSink:
         items = _items()
         async with self._require_engine().begin() as conn:
             result = await conn.execute(sa.delete(items).where(items.c.kind.in_(kinds)))
+            if self._tombstones and kinds:
+                # SQLite's trigger cannot tell dedup's deletes: drop what it wrote for them.
+                marks = ",".join("?" * len(kinds))
+                await conn.exec_driver_sql(
+                    f"DELETE FROM dedup_tombstones WHERE kind IN ({marks})",  # noqa: S608
+                    tuple(kinds),
+                )
             return int(result.rowcount)
 
     async def fetch(self, kind: str, digest: bytes) -> tuple[bool, str | None]:
@@ -418,7 +518,15 @@ class SqliteSink:
                     " AND (? IS NULL OR created_at < ?) RETURNING digest"
                 )
                 result = await conn.exec_driver_sql(sql, (kind, *chunk, before, before))
-                deleted += [bytes(rec[0]) for rec in result.all()]
+                gone = [bytes(rec[0]) for rec in result.all()]
+                deleted += gone
+                if gone and self._tombstones:  # the trigger's: the forget clears the markers
+                    marks = ",".join("?" * len(gone))
+                    await conn.exec_driver_sql(
+                        "DELETE FROM dedup_tombstones WHERE kind = ?"  # noqa: S608
+                        f" AND digest IN ({marks})",
+                        (kind, *gone),
+                    )
         return deleted
 
     async def cutoff(self, older_than_s: float) -> Any:
@@ -448,6 +556,39 @@ class SqliteSink:
                 (kind, after, before, limit),
             )
             return [bytes(rec[0]) for rec in result.all()]
+
+    async def tombstones(self, limit: int) -> list[Tombstone]:
+        """Up to ``limit`` tombstones, oldest first (none before ``dedup migrate``)."""
+        if not self._tombstones:
+            return []
+        async with self._require_engine().connect() as conn:
+            result = await conn.exec_driver_sql(
+                "SELECT id, kind, digest FROM dedup_tombstones ORDER BY id LIMIT ?", (limit,)
+            )
+            records: list[Any] = list(result.all())  # untyped: raw driver SQL
+        return [(int(r[0]), r[1], None if r[2] is None else bytes(r[2])) for r in records]
+
+    async def drop_tombstones(self, ids: Sequence[int]) -> None:
+        """Delete the tombstones ``ids``."""
+        async with self._require_engine().begin() as conn:
+            for start in range(0, len(ids), _SQLITE_MAX_ROWS):
+                chunk = list(ids[start : start + _SQLITE_MAX_ROWS])
+                marks = ",".join("?" * len(chunk))
+                await conn.exec_driver_sql(
+                    f"DELETE FROM dedup_tombstones WHERE id IN ({marks})",  # noqa: S608
+                    tuple(chunk),
+                )
+
+    async def count_tombstones(self) -> int:
+        """How many tombstones wait to be drained."""
+        async with self._require_engine().connect() as conn:
+            result = await conn.exec_driver_sql("SELECT count(*) FROM dedup_tombstones")
+            return int(result.scalar_one())
+
+    async def position(self) -> tuple[str, int] | None:
+        """None: a SQLite file cannot tell that it was put back from a copy (run
+        ``dedup reconcile`` after restoring one)."""
+        return None
 
 
 def open_sink(database_url: str, *, pool_size: int, statement_timeout_ms: int) -> DefaultSink:

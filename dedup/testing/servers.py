@@ -712,6 +712,31 @@ class PostgresCluster(_Managed):
             self.kill()
         return self.start()
 
+    def halt(self) -> None:
+        """Shut down (fast, as ``pg_ctl stop -m fast``) and keep the data, to start again."""
+        self._terminate(signal.SIGINT)
+
+    def snapshot(self) -> Path:
+        """A copy of the data folder, as a backup of this moment (the server halted): for
+        :meth:`rewind`."""
+        if self.is_alive():
+            raise ServerError("halt the cluster before taking a snapshot of its data folder")
+        folder = Path(tempfile.mkdtemp(prefix="snap-", dir=self._base))
+        if self._user is not None:  # the copy is made as the cluster's user
+            os.chown(folder, self._user.pw_uid, self._user.pw_gid)
+        copy = folder / "data"
+        self._run_as_pg(["cp", "-a", str(self.data_dir), str(copy)], cwd=self._base)
+        return copy
+
+    def rewind(self, snapshot: Path) -> None:
+        """Put a :meth:`snapshot` back in place of the data folder (the server halted): the
+        database goes back to that moment, as after a restore, and forgets every commit
+        made since."""
+        if self.is_alive():
+            raise ServerError("halt the cluster before putting a snapshot back")
+        shutil.rmtree(self.data_dir)
+        self._run_as_pg(["cp", "-a", str(snapshot), str(self.data_dir)], cwd=self._base)
+
     def stop(self) -> None:
         """SIGCONT, fast shutdown (SIGINT), wait up to 10 s, SIGKILL; remove its folders."""
         try:
