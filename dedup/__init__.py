@@ -18,7 +18,7 @@ from dedup.errors import (
 from dedup.gateway import Gateway
 from dedup.metrics import Stats
 from dedup.sync import SyncGateway
-from dedup.types import BatchWriter, Item, Row, SaveResult, Source
+from dedup.types import BatchWriter, Item, Reconciled, Row, SaveResult, Source
 
 __all__ = [
     "BatchWriter",
@@ -29,6 +29,7 @@ __all__ = [
     "InvalidInput",
     "Item",
     "Overloaded",
+    "Reconciled",
     "Row",
     "SaveResult",
     "Source",

@@ -30,6 +30,8 @@ from time import monotonic
 from types import TracebackType
 from typing import Any, NamedTuple, Unpack, get_args
 
+from redis.exceptions import RedisError
+
 from dedup._claims.keys import KeySpace
 from dedup._engine.backends import Backends
 from dedup._engine.local import SavedCache
@@ -38,11 +40,11 @@ from dedup._engine.parts import EngineParts
 from dedup._engine.wiring import Engine
 from dedup._redis.connect import unlink_matching
 from dedup._values import DIGEST_BYTES, Limits, encode_payload, validate_kind, validate_value
-from dedup.errors import ConfigError, DedupError, InvalidInput
+from dedup.errors import ConfigError, DedupError, InvalidInput, Unavailable
 from dedup.metrics import Stats
 from dedup.options import GatewayOptions, GatewayOptionsKwargs
 from dedup.store import DefaultSink
-from dedup.types import Item, SaveResult, Source
+from dedup.types import Item, Reconciled, SaveResult, Source
 
 __all__ = ["Gateway"]
 
@@ -413,6 +415,26 @@ class Gateway(RunOnceMixin):
         return await self._require_engine().forgetter.prune(
             kind, older_than_s, batch_size=batch_size, progress=progress
         )
+
+    async def reconcile(self) -> Reconciled:
+        """Make the markers true to the database again, after it lost rows in a way no
+        gateway could see (a dump reloaded, a SQLite file put back): drain the
+        tombstones of rows deleted outside dedup, reset every marker of the namespace
+        (every gateway moves to a new marker epoch and drops its local tier), wait until
+        every gateway has (about two seconds), then delete the old markers. Safe while
+        the fleet saves: after it, each value's next save goes to the database once, and
+        the unique key decides. Gateways notice SQL deletes, restores, point-in-time
+        recoveries and failovers by themselves (Guarantees, in the docs)."""
+        engine = self._require_engine()
+        if engine.degraded.active:
+            raise Unavailable(
+                "Redis is unavailable (degraded mode): the markers cannot be reset now",
+                component="redis",
+            )
+        try:
+            return await engine.guardian.reconcile()
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"Redis failed: {exc!r}", component="redis") from None
 
     async def purge(self, kinds: Sequence[str]) -> None:
         """Delete this namespace's Redis keys and the default table's rows of ``kinds``.

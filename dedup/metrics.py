@@ -38,6 +38,11 @@ class Stats:
     the fleet's saved-values broadcast: the writer's statements, and batches gateways
     wrote themselves) and ``shared_busy_answered`` (busy values that the
     saved-values broadcast answered before their next claim; also counted in ``redis``).
+    The database as the source of truth (:mod:`dedup._engine.guardian`):
+    ``tombstones_drained`` (rows deleted by something other than dedup whose markers
+    and local entries this gateway cleared) and ``marker_resets`` (times this gateway
+    found that the database lost writes, or was told to reconcile, and reset every
+    marker of the namespace).
     """
 
     local: int = 0
@@ -67,6 +72,8 @@ class Stats:
     shared_bad_messages: int = 0
     shared_learned: int = 0
     shared_busy_answered: int = 0
+    tombstones_drained: int = 0
+    marker_resets: int = 0
 
     @property
     def answers(self) -> int:

@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["BatchWriter", "Item", "Row", "SaveResult", "Source"]
+__all__ = ["BatchWriter", "Item", "Reconciled", "Row", "SaveResult", "Source"]
 
 Source = Literal["local", "inflight", "redis", "db", "write"]
 """Where an answer came from.
@@ -43,6 +43,18 @@ class Row:
     digest: bytes
     value: str
     payload_json: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Reconciled:
+    """What :meth:`dedup.Gateway.reconcile` did: every marker of the namespace reset."""
+
+    epoch: int
+    """The namespace's marker epoch now: markers of earlier epochs count as absent."""
+    tombstones: int
+    """Tombstones drained: rows deleted outside dedup whose markers were cleared."""
+    swept: int
+    """Redis keys of earlier epochs (and markers of the ``keys`` layout) deleted."""
 
 
 BatchWriter = Callable[[Sequence[Row]], Awaitable[Iterable[tuple[str, bytes]]]]

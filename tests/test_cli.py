@@ -255,7 +255,7 @@ def test_cli_without_a_command_is_refused() -> None:
 async def test_migrate_postgres(pg_empty_url: str) -> None:
     run = await _dedup_async("migrate", "--database-url", pg_empty_url)
     _ok(run)
-    assert re.search(r"is at revision 0001\b", run.stdout), run.stdout
+    assert re.search(r"is at revision 0002\b", run.stdout), run.stdout
     conn = await asyncpg.connect(pg_empty_url)
     try:
         table = await conn.fetchval("SELECT to_regclass('public.dedup_items')::text")
@@ -263,18 +263,18 @@ async def test_migrate_postgres(pg_empty_url: str) -> None:
     finally:
         await conn.close()
     assert table == "dedup_items"
-    assert revision == "0001"
+    assert revision == "0002"
     # Again: nothing to do, same answer.
     run = await _dedup_async("migrate", "--database-url", pg_empty_url)
     _ok(run)
-    assert "is at revision 0001" in run.stdout
+    assert "is at revision 0002" in run.stdout
 
 
 def test_migrate_embedded_sqlite(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     run = _dedup("migrate", "--data-dir", str(data_dir))
     _ok(run)
-    assert "is at revision 0001" in run.stdout
+    assert "is at revision 0002" in run.stdout
     assert _tables(data_dir / "dedup.sqlite3") >= {"dedup_items", "alembic_version"}
 
 
@@ -309,7 +309,7 @@ def test_migrate_follows_flag_env_file_precedence(tmp_path: Path) -> None:
     for args, environ, expected in cases:
         run = _dedup(*args, env=environ)
         _ok(run)
-        assert f"/{expected}/dedup.sqlite3 is at revision 0001" in run.stdout, run.stdout
+        assert f"/{expected}/dedup.sqlite3 is at revision 0002" in run.stdout, run.stdout
         made.append(expected)
         found = {p.parent.name for p in tmp_path.glob("*/dedup.sqlite3")}
         assert found == set(made), (expected, found)  # nothing else was created

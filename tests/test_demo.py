@@ -91,7 +91,7 @@ def test_demo_on_a_busy_data_dir_says_so(tmp_path: Path) -> None:
 def test_migrate_postgres_and_sqlite(pg_empty_url: str, tmp_path: Path) -> None:
     run = _dedup("migrate", "--database-url", pg_empty_url)
     assert run.returncode == 0, run.stderr
-    assert "is at revision 0001" in run.stdout
+    assert "is at revision 0002" in run.stdout
     run = _dedup("migrate", "--data-dir", str(tmp_path))
     assert run.returncode == 0, run.stderr
     with sqlite3.connect(tmp_path / "dedup.sqlite3") as conn:

@@ -21,12 +21,13 @@ from alembic import command
 from dedup.store import migrate
 from dedup.store.migrate import current, to_sqlalchemy_url, upgrade, upgrade_async
 
-HEAD = "0001"
+HEAD = "0002"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WHEEL_FILES = (
     "dedup/store/migrations/env.py",
     "dedup/store/migrations/script.py.mako",
     "dedup/store/migrations/versions/0001_create_dedup_items.py",
+    "dedup/store/migrations/versions/0002_tombstones.py",
 )
 
 
@@ -242,6 +243,7 @@ def test_migrations_are_package_data() -> None:
     assert (migrations / "env.py").is_file()
     assert (migrations / "script.py.mako").is_file()
     assert (migrations / "versions" / "0001_create_dedup_items.py").is_file()
+    assert (migrations / "versions" / "0002_tombstones.py").is_file()
 
 
 def _can_build_wheel_offline() -> bool:

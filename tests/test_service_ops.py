@@ -405,7 +405,7 @@ def test_check_reports_what_it_found(redis_url: str, pg_url: str, tmp_path: Path
     assert "OK   redis    redis://127.0.0.1:" in out and "Redis 7" in out
     assert "OK   redis    maxmemory-policy noeviction" in out
     assert "OK   database postgresql://postgres@127.0.0.1:" in out
-    assert "schema at revision 0001 (the newest)" in out
+    assert "schema at revision 0002 (the newest)" in out
     assert out.splitlines()[-1].startswith("dedup check: OK")
 
     down = "redis://127.0.0.1:1/0"

@@ -103,9 +103,13 @@ class Forgetter:
             )
         return self._sink
 
-    async def forget(self, kind: str, digests: Sequence[bytes], before: Any = None) -> set[bytes]:
+    async def forget(
+        self, kind: str, digests: Sequence[bytes], before: Any = None, *, rows: bool = True
+    ) -> set[bytes]:
         """Forget ``digests`` of ``kind`` (distinct); the digests whose rows were deleted.
-        ``before``: a sink cutoff; only rows created before it are deleted (a prune)."""
+        ``before``: a sink cutoff; only rows created before it are deleted (a prune).
+        ``rows=False``: the rows are gone already (tombstones), only the markers and the
+        local entries are cleared (a row saved again since stays)."""
         sink = self.check()
         if not digests:
             return set()
@@ -114,7 +118,9 @@ class Forgetter:
         todo = list(digests)
         for attempt in range(_ATTEMPTS):
             keys = {self._keys.key(kind, d): d for d in todo}
-            lost = await self._forget_once(sink, token, kind, keys, before, deleted)
+            lost = await self._forget_once(
+                sink if rows else None, token, kind, keys, before, deleted
+            )
             if not lost:
                 break
             todo = [keys[k] for k in lost]
@@ -127,6 +133,15 @@ class Forgetter:
             raise DedupError(f"{len(todo)} values could not be held long enough to forget them")
         for i in range(0, len(digests), _AUDIT_DIGESTS):
             chunk = digests[i : i + _AUDIT_DIGESTS]
+            if not rows:
+                audit.info(
+                    "cleared the markers of %d values of kind %r whose rows were deleted "
+                    "outside dedup; digests %s",
+                    len(chunk),
+                    kind,
+                    ",".join(d.hex() for d in chunk),
+                )
+                continue
             audit.info(
                 "forgot values of kind %r: %d rows deleted of %d asked%s; digests %s",
                 kind,
@@ -200,7 +215,7 @@ class Forgetter:
 
     async def _forget_once(
         self,
-        sink: DefaultSink,
+        sink: DefaultSink | None,
         token: str,
         kind: str,
         keys: dict[bytes, bytes],
@@ -208,7 +223,8 @@ class Forgetter:
         deleted: set[bytes],
     ) -> list[bytes]:
         """One pass of the module's steps over ``keys`` (key -> digest): adds the rows it
-        deleted to ``deleted``; returns the keys whose hold was lost meanwhile."""
+        deleted to ``deleted`` (no ``sink``: deletes none); returns the keys whose hold
+        was lost meanwhile."""
         held: list[bytes] = []
         renewer: asyncio.Task[None] | None = None
         try:
@@ -219,9 +235,10 @@ class Forgetter:
             except (RedisError, OSError) as exc:
                 raise Unavailable(f"Redis failed: {exc!r}", component="redis") from None
             await asyncio.sleep(FORGET_WAIT_S)
-            digests = list(keys.values())
+            digests = list(keys.values()) if sink is not None else []
             try:
                 for i in range(0, len(digests), _DELETE_ROWS):
+                    assert sink is not None
                     deleted.update(
                         await sink.forget_rows(kind, digests[i : i + _DELETE_ROWS], before)
                     )

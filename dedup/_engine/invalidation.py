@@ -26,6 +26,10 @@ Redis is skipped) until it reads a nonce back again. A value invalidated while a
 or a read that will call it saved is on its way is not added back by that answer
 (:meth:`SavedCache.add` with the stamp taken before the request).
 
+The same channel carries the namespace's marker resets (:mod:`dedup._engine.guardian`):
+a reset names the new marker epoch; a gateway that hears one of a later epoch than its
+own moves its claims to it and drops its whole tier.
+
 Messages are signed with ``shared_secret`` (keyed BLAKE2b) and checked as
 :mod:`dedup._engine.shared_wire` checks its own; a forged invalidation could only make
 a gateway forget a value locally (a Redis claim more), never call one saved. On a
@@ -49,6 +53,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import NoPermissionError, RedisError
 
 from dedup._claims.keys import derive_key
+from dedup._claims.protocol import Claims
 from dedup._engine.local import SavedCache
 from dedup._engine.shared_wire import BadMessage, sign, signed_body
 from dedup._redis.mux import Mux
@@ -70,6 +75,7 @@ FORGET_WAIT_S = WINDOW_S * 1.01 + 0.02
 
 _FORMAT = 1
 _TOPIC = "forgotten"
+_RESET = "reset"
 _CHUNK = 2000  # digests per message (64 KB of hex)
 _RETRY_S = 0.2
 
@@ -91,11 +97,13 @@ class Invalidations:
         namespace: str,
         secret: bytes,
         local: SavedCache,
+        claims: Claims,
         usable: Callable[[], bool],
         spawn: Callable[[Awaitable[None]], None],
     ) -> None:
         self._client = client
         self._local = local
+        self._claims = claims
         self._usable = usable
         self._spawn = spawn
         self.channel = f"{namespace}:{_TOPIC}"
@@ -167,9 +175,24 @@ class Invalidations:
                 self.bad_messages += 1
                 log.warning("an invalidation message was ignored: %s", exc)
                 return True
-            self._local.invalidate(kind, digests)
+            if kind is None:  # a reset: digests holds the epoch's number
+                self.adopt(int.from_bytes(digests[0]), authoritative=False)
+            else:
+                self._local.invalidate(kind, digests)
             return True
         return False
+
+    def adopt(self, epoch: int, *, authoritative: bool) -> bool:
+        """Move to marker epoch ``epoch`` (from a reset heard, only a later one; from the
+        epoch key itself, ``authoritative``, any other one) and drop the whole tier;
+        whether it moved."""
+        claims = self._claims
+        if epoch == claims.epoch or (not authoritative and epoch < claims.epoch):
+            return False
+        log.info("markers of epoch %d are read from now on (was %d)", epoch, claims.epoch)
+        claims.epoch = epoch
+        self._local.reset()
+        return True
 
     # ------------------------------------------------------------- publishing
 
@@ -179,6 +202,13 @@ class Invalidations:
         self._local.invalidate(kind, digests)
         for i in range(0, len(digests), _CHUNK):
             await self._publish(self.channel, self._message(kind, digests[i : i + _CHUNK]))
+
+    async def publish_reset(self, epoch: int) -> None:
+        """Tell every gateway (this one at once) that markers of epochs before ``epoch``
+        count as absent. Raises what Redis raises."""
+        self.adopt(epoch, authoritative=True)
+        body = orjson.dumps([_FORMAT, _RESET, epoch])
+        await self._publish(self.channel, sign(body, self._mac_key))
 
     async def _publish(self, channel: str, data: bytes) -> None:
         client = self._client
@@ -199,14 +229,19 @@ class Invalidations:
         body = orjson.dumps([_FORMAT, _TOPIC, kind, b"".join(digests).hex()])
         return sign(body, self._mac_key)
 
-    def _read(self, raw: object) -> tuple[str, list[bytes]]:
-        """The kind and digests of an invalidation; :class:`BadMessage` when it cannot be
-        used."""
+    def _read(self, raw: object) -> tuple[str | None, list[bytes]]:
+        """The kind and digests of an invalidation (a reset: no kind, and its epoch as
+        the one "digest"); :class:`BadMessage` when it cannot be used."""
         body = signed_body(raw, self._mac_key)
         try:
             fields: Any = orjson.loads(body)
         except orjson.JSONDecodeError:
             raise BadMessage("not JSON") from None
+        if isinstance(fields, list) and len(fields) == 3 and fields[:2] == [_FORMAT, _RESET]:
+            epoch = fields[2]
+            if not (isinstance(epoch, int) and 0 <= epoch < 2**63):
+                raise BadMessage("malformed epoch")
+            return None, [epoch.to_bytes(8)]
         if not (isinstance(fields, list) and len(fields) == 4 and fields[:2] == [_FORMAT, _TOPIC]):
             raise BadMessage(f"not an invalidation of format {_FORMAT}")
         kind, hexed = fields[2], fields[3]

@@ -25,6 +25,7 @@ from dedup._engine.claim_stage import ClaimStage
 from dedup._engine.degraded import DegradedMode
 from dedup._engine.flights import Flight, FlightTable
 from dedup._engine.forget import Forgetter
+from dedup._engine.guardian import Guardian
 from dedup._engine.invalidation import Invalidations
 from dedup._engine.local import SavedCache
 from dedup._engine.shared import SharedWrites
@@ -139,6 +140,7 @@ class Engine:
             namespace=options.namespace,
             secret=options.secret,
             local=local,
+            claims=backends.claims,
             usable=lambda: not self.degraded.active,
             spawn=self.spawn,
         )
@@ -152,6 +154,20 @@ class Engine:
             degraded=lambda: self.degraded.active,
             approximate=backends.claims.layout == "approximate",
             wait_timeout_s=options.wait_timeout_s,
+        )
+        # Tombstones need a forget (not in approximate mode: a Bloom filter cannot drop
+        # a value); the database's position needs the default sink.
+        self.guardian = Guardian(
+            loop,
+            client=backends.redis,
+            namespace=options.namespace,
+            claims=backends.claims,
+            sink=None if backends.claims.layout == "approximate" else backends.default_sink,
+            forgetter=self.forgetter,
+            invalidations=self.invalidations,
+            stats=stats,
+            usable=lambda: not self.degraded.active,
+            spawn=self.spawn,
         )
         self.write_stage = WriteStage(
             loop,
@@ -177,6 +193,7 @@ class Engine:
             self.shared.start()
         # The shared listener, when there is one, carries the invalidation channels.
         self.invalidations.start(own_listener=self.shared is None)
+        self.guardian.start()
         if isinstance(backends.redis, Redis) and isinstance(
             backends.redis.connection_pool, SentinelMuxPool
         ):

@@ -158,6 +158,61 @@ async def _check_postgres(url: str, timeout_s: float) -> list[Finding]:
     return found
 
 
+async def _check_truth(
+    redis_url: str, database_url: str, namespace: str, timeout_s: float
+) -> list[Finding]:
+    """Whether the markers can still be trusted: rows deleted outside dedup whose
+    markers wait to be cleared, and the database behind (or other than) what the
+    namespace saw of it: markers may then claim rows it lost."""
+    import asyncpg
+
+    from dedup._engine.guardian import state_key
+    from dedup.store.sinks import PG_COUNT_TOMBSTONES, PG_POSITION_UNPRIVILEGED
+
+    conn = await asyncpg.connect(database_url, timeout=timeout_s)
+    try:
+        if not await conn.fetchval("SELECT to_regclass('dedup_tombstones') IS NOT NULL"):
+            return []  # not migrated yet: the schema finding says so
+        waiting = int(await conn.fetchval(PG_COUNT_TOMBSTONES))
+        timeline, lsn = await conn.fetchrow(PG_POSITION_UNPRIVILEGED)
+    finally:
+        await conn.close(timeout=timeout_s)
+    client = connect_redis(redis_url, max_connections=2, timeout_s=timeout_s)
+    try:
+        seen: list[Any] = await client.hmget(state_key(namespace, "database"), ["id", "lsn"])
+        seen_id, seen_lsn = seen
+    finally:
+        await client.aclose()
+    found = []
+    if waiting:
+        found.append(
+            Finding(
+                "warn",
+                "markers",
+                f"{waiting} row(s) deleted outside dedup wait for their markers to be "
+                "cleared: a running gateway does it within seconds; with none running, "
+                "`dedup reconcile`",
+            )
+        )
+    if seen_id is None or seen_lsn is None:
+        found.append(Finding("ok", "markers", "no gateway has watched this database yet"))
+    elif not str(seen_id, "ascii").endswith(f"/{timeline}") or int(seen_lsn, 16) > int(lsn):
+        found.append(
+            Finding(
+                "warn",
+                "markers",
+                "the database is behind (or other than) what the gateways saw of it: it "
+                "lost commits (a restore, a failover); running gateways reset the markers "
+                "within a second; with none running, `dedup reconcile`",
+            )
+        )
+    else:
+        found.append(
+            Finding("ok", "markers", "the database is at or past every position the gateways saw")
+        )
+    return found
+
+
 def _check_sqlite(url: str) -> list[Finding]:
     from sqlalchemy.engine import make_url
 
@@ -281,6 +336,9 @@ async def check(config: Config) -> list[Finding]:
         )
     elif url.startswith(("postgresql://", "postgres://")) and _password_ok(url):
         found += await _check_postgres(url, 5.0)
+        if gateway.redis_url and not any(f.status == "fail" for f in found):
+            with contextlib.suppress(Exception):  # the findings above said what failed
+                found += await _check_truth(gateway.redis_url, url, gateway.namespace, 5.0)
     elif url.startswith("sqlite:///"):
         found += await asyncio.to_thread(_check_sqlite, url)
     return found

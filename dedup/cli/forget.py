@@ -12,6 +12,9 @@ value) or bad settings; 1 when Redis or the database cannot serve, a value staye
 leased too long, or the Gateway cannot erase (approximate mode, a custom sink);
 130 on Ctrl-C (what was done stays done: run the command again to finish).
 Nothing here prints or logs a value: only counts, line numbers and the kind.
+
+``dedup reconcile`` calls :meth:`dedup.Gateway.reconcile` after a database restore that
+the gateways cannot notice by themselves, and prints what it did.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from dedup.errors import (
 from dedup.gateway import Gateway
 from dedup.loop import run
 from dedup.options import GatewayOptions
+from dedup.types import Reconciled
 from dedup.urls import redact
 
 __all__ = [
@@ -55,6 +59,7 @@ __all__ = [
     "positive_int_arg",
     "prune_command",
     "read_values",
+    "reconcile_command",
 ]
 
 FORGET_CHUNK = 10_000
@@ -473,4 +478,34 @@ def prune_command(
     bar.finish()
     shown = cutoff.isoformat(timespec="seconds")
     print(f"pruned {pruned} rows of kind {kind} older than {shown}", file=out)
+    return 0
+
+
+async def _reconcile(kwargs: dict[str, Any]) -> Reconciled:
+    async with Gateway(**_tool(kwargs)) as gw:
+        return await gw.reconcile()
+
+
+def reconcile_command(
+    kwargs: dict[str, Any], *, out: TextIO | None = None, err: TextIO | None = None
+) -> int:
+    """``dedup reconcile``: reset every marker of the namespace and drain the tombstones
+    on a Gateway made of ``kwargs`` (:meth:`dedup.Gateway.reconcile`); returns the exit
+    status (1 when Redis or the database cannot serve)."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    try:
+        done = run(_reconcile(kwargs))
+    except _FAILURES as exc:
+        _error(_failure(exc), err)
+        return _EXIT_FAILED
+    except KeyboardInterrupt:
+        print("dedup: reconcile interrupted; run it again", file=err)
+        return EXIT_INTERRUPTED
+    print(
+        f"reconciled: every marker reset (epoch {done.epoch}), {done.tombstones} "
+        f"tombstone(s) drained, {done.swept} old key(s) deleted; each value's next save "
+        "goes to the database once",
+        file=out,
+    )
     return 0

@@ -148,6 +148,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="values to forget (put -- before a value that starts with -)",
     )
 
+    reconcile = sub.add_parser(
+        "reconcile",
+        help="reset every marker after a database restore, and drain deleted rows' markers",
+        description="Make the markers true to the database again: drain the tombstones of "
+        "rows deleted outside dedup, reset every marker of the namespace (every gateway "
+        "moves to a new marker epoch and drops its local tier), then delete the old markers. "
+        "Safe while the fleet saves. Gateways notice SQL deletes, restores and failovers by "
+        "themselves; run this after a restore they cannot see (a SQLite file put back, a "
+        "dump reloaded).",
+    )
+    common(reconcile)
+    log_format(reconcile)
+
     prune = sub.add_parser(
         "prune",
         help="delete the rows of a kind older than a duration, in batches (resumable)",
@@ -313,6 +326,13 @@ def _prune(args: argparse.Namespace) -> int:
     )
 
 
+def _reconcile(args: argparse.Namespace) -> int:
+    from dedup.cli.forget import reconcile_command
+
+    config = _logged_config(args)
+    return reconcile_command(config.gateway.gateway_kwargs())
+
+
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -354,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "check": _check,
         "forget": _forget,
         "prune": _prune,
+        "reconcile": _reconcile,
     }
     try:
         return commands[args.command](args)

@@ -80,6 +80,8 @@ _STAT_HELP = {
     "shared_bad_messages": "Shared-writes rows and answers skipped as malformed or forged.",
     "shared_learned": "Values the local tier learned from the fleet's saved-values broadcast.",
     "shared_busy_answered": "Busy values answered by the fleet's saved-values broadcast.",
+    "tombstones_drained": "Rows deleted outside dedup whose markers this gateway cleared.",
+    "marker_resets": "Times this gateway reset every marker (the database lost writes; reconcile).",
 }
 
 
