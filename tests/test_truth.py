@@ -84,7 +84,7 @@ async def test_rows_deleted_by_sql_save_again_once_through_both_gateways(
     redis_url: str, pg_url: str, layout: str
 ) -> None:
     values = _values(300, "del")
-    gone, kept = values[:150], values[150:]
+    gone = values[:150]
     async with (
         Gateway(redis_url, pg_url, marker_layout=layout) as a,
         Gateway(redis_url, pg_url, marker_layout=layout) as b,
@@ -142,7 +142,7 @@ async def test_rows_deleted_from_sqlite_save_again(redis_url: str, tmp_path: Pat
         def delete() -> None:
             with sqlite3.connect(path, timeout=DEADLINE_S) as db:
                 marks = ",".join("?" * 25)
-                db.execute(f"DELETE FROM dedup_items WHERE value IN ({marks})", values[:25])  # noqa: S608
+                db.execute(f"DELETE FROM dedup_items WHERE value IN ({marks})", values[:25])
 
         await asyncio.to_thread(delete)
         created, _ = await _save_until_created([gw], values[:25], DEADLINE_S)
