@@ -302,8 +302,8 @@ class ReplayCache:
       (:meth:`dedup.Gateway.forget` in any process, :meth:`dedup.Gateway.purge`, eviction,
       a lookup that found the row gone) drops it here too;
     - an entry is used for ``max_age_s`` after it was put, never longer (a hit does not
-      extend it): a row deleted by SQL alone is replayed from a process's cache for at
-      most that long, then the next replay reads the row (and finds it gone).
+      extend it); a row deleted by SQL is forgotten within seconds (the tombstones'
+      drain), which drops its entry here too.
 
     Thread-safe: the WSGI middleware looks up from the server's threads and fills from
     the SyncGateway's loop thread. ``hits`` and ``misses`` count lookups.

@@ -151,10 +151,13 @@ async def _value_keys(redis_url: str, namespace: str) -> dict[bytes, bytes | Non
     """The keys of ``namespace`` that belong to values (leases, old-layout markers):
     :func:`_namespace_keys` without its marker buckets and shared-writes keys."""
     keys = await _namespace_keys(redis_url, namespace)
+    state = f"{namespace}:{{dedup-state}}:".encode()  # the namespace's own (epoch, drainer)
     return {
         k: v
         for k, v in keys.items()
-        if not _is_bucket(namespace, k) and not _shared_key(namespace, k)
+        if not _is_bucket(namespace, k)
+        and not _shared_key(namespace, k)
+        and not k.startswith(state)
     }
 
 

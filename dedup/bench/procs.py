@@ -31,6 +31,7 @@ from redis.asyncio.cluster import RedisCluster
 from dedup._redis.connect import connect_redis, unlink_matching
 from dedup.bench.strategies import KIND, PER_REQUEST, percentiles, run_one
 from dedup.loop import run as run_loop
+from dedup.store.sinks import PG_FORGETTING
 from dedup.testing.servers import _descendants
 
 if TYPE_CHECKING:
@@ -361,7 +362,10 @@ async def reset(redis_url: str, pg_url: str) -> None:
         await r.aclose()
     conn = await asyncpg.connect(pg_url)
     try:
-        await conn.execute("DELETE FROM dedup_items WHERE kind = $1", KIND)
+        async with conn.transaction():
+            # The bench's own delete, as dedup's: no tombstones (its keys are gone too).
+            await conn.execute(PG_FORGETTING)
+            await conn.execute("DELETE FROM dedup_items WHERE kind = $1", KIND)
         await conn.execute("VACUUM dedup_items")
         with contextlib.suppress(asyncpg.PostgresError):  # needs superuser; best effort
             await conn.execute("CHECKPOINT")
