@@ -108,6 +108,14 @@ def _refused(run: subprocess.CompletedProcess[str], *needles: str) -> None:
 # ---------------------------------------------------------------------------------- demo
 
 
+def test_version_prints_the_installed_version_and_exits_0() -> None:
+    from importlib.metadata import version
+
+    run = _dedup("--version")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == f"dedup {version('dedup')}\n"
+
+
 def test_demo_embedded_passes_twice_on_one_data_dir(tmp_path: Path) -> None:
     unique = len(set(make_stream(EVENTS, VALUES, 1.1, 1)))  # the demo's defaults
     for attempt in range(2):  # each run purges its kinds and namespace first

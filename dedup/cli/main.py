@@ -25,12 +25,26 @@ __all__ = ["build_parser", "main"]
 T = TypeVar("T")
 
 
+def _installed_version() -> str:
+    """The installed distribution's version (the package's own when run from a tree
+    that is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from dedup import __version__
+
+    try:
+        return version("dedup")
+    except PackageNotFoundError:
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``dedup`` command (every subcommand and flag)."""
     parser = argparse.ArgumentParser(
         prog="dedup", description="Write-deduplication gateway on Redis and PostgreSQL."
     )
     parser.add_argument("--config", help="TOML settings file (default: config/dedup.toml)")
+    parser.add_argument("--version", action="version", version=f"dedup {_installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
