@@ -712,6 +712,41 @@ class PostgresCluster(_Managed):
             self.kill()
         return self.start()
 
+    def standby(self) -> PostgresCluster:
+        """A streaming standby of this running cluster (``pg_basebackup -R``: asynchronous
+        replication, PostgreSQL's default), on a port of its own, started."""
+        standby = PostgresCluster(max_connections=self._max_connections)
+        self._run_as_pg(
+            [
+                str(self.bin_dir / "pg_basebackup"),
+                "-h",
+                HOST,
+                "-p",
+                str(self._port),
+                "-U",
+                "postgres",
+                "-D",
+                str(standby.data_dir),
+                "-R",
+                "-X",
+                "stream",
+                "--checkpoint=fast",  # else it waits for a spread checkpoint (minutes)
+                "--no-sync",
+            ],
+            cwd=standby._base,
+        )
+        os.chmod(standby.data_dir, 0o700)
+        standby._initialized = True
+        return standby.start()
+
+    def listen_on(self, port: int) -> None:
+        """Take another port (the server halted): as a failover's address moves to the
+        promoted standby."""
+        if self.is_alive():
+            raise ServerError("halt the cluster before moving it to another port")
+        self._port = port
+        self._port_fixed = True
+
     def halt(self) -> None:
         """Shut down (fast, as ``pg_ctl stop -m fast``) and keep the data, to start again."""
         self._terminate(signal.SIGINT)
