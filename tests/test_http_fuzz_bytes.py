@@ -699,7 +699,7 @@ async def _exchange(pipeline: Pipeline) -> None:
 
 
 @seed(SEED)
-@_settings(60)
+@_settings(45)
 @given(pipeline=pipelines())
 def test_a_pipelined_requests_are_framed_as_h11_frames_them(pipeline: Pipeline) -> None:
     note(repr(pipeline))
@@ -1009,7 +1009,7 @@ def check_exchange(done: Exchange) -> None:
 
 
 @seed(SEED)
-@_settings(80)
+@_settings(60)
 @given(case=mutated())
 def test_b_mutated_requests_never_break_the_service(service: ServiceProcess, case: Mutated) -> None:
     note(repr(case))
