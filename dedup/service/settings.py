@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from dedup.errors import ConfigError
 from dedup.options import GatewayOptions
+from dedup.service.http import Limits
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -139,6 +140,9 @@ class Settings:
         return GatewayOptions(**self.gateway_kwargs())
 
 
+_LIMITS = Limits()
+
+
 @dataclass(frozen=True)
 class ServiceSettings:
     """Every setting of the ``[service]`` table of ``config/dedup.toml``, with its default.
@@ -157,12 +161,13 @@ class ServiceSettings:
     ready_timeout_s: float = 1.0
     retry_after_s: int = 1
     backlog: int = 1024
-    keepalive_timeout_s: float = 75.0
-    head_timeout_s: float = 20.0
-    body_timeout_s: float = 20.0
-    send_timeout_s: float = 30.0
-    max_head_bytes: int = 65536
-    max_connections: int = 4096
+    # The HTTP server's bounds: their defaults are written once, in its Limits.
+    keepalive_timeout_s: float = _LIMITS.keepalive_timeout_s
+    head_timeout_s: float = _LIMITS.head_timeout_s
+    body_timeout_s: float = _LIMITS.body_timeout_s
+    send_timeout_s: float = _LIMITS.send_timeout_s
+    max_head_bytes: int = _LIMITS.max_head_bytes
+    max_connections: int = _LIMITS.max_connections
     access_log: bool = False
     log_level: str = "info"
     log_format: str = "text"
