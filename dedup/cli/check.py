@@ -196,7 +196,9 @@ async def _check_truth(
         )
     if seen_id is None or seen_lsn is None:
         found.append(Finding("ok", "markers", "no gateway has watched this database yet"))
-    elif not str(seen_id, "ascii").endswith(f"/{timeline}") or int(seen_lsn, 16) > int(lsn):
+    # The identity is "<system id>/<timeline>", or the timeline alone for a gateway whose
+    # user may not read the control file: compare the timelines.
+    elif str(seen_id, "ascii").rpartition("/")[2] != timeline or int(seen_lsn, 16) > int(lsn):
         found.append(
             Finding(
                 "warn",
