@@ -235,19 +235,8 @@ class Forgetter:
             except (RedisError, OSError) as exc:
                 raise Unavailable(f"Redis failed: {exc!r}", component="redis") from None
             await asyncio.sleep(FORGET_WAIT_S)
-            digests = list(keys.values()) if sink is not None else []
-            try:
-                for i in range(0, len(digests), _DELETE_ROWS):
-                    assert sink is not None
-                    deleted.update(
-                        await sink.forget_rows(kind, digests[i : i + _DELETE_ROWS], before)
-                    )
-            except (DedupError, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                raise Unavailable(
-                    f"the database delete failed: {exc!r}", component="database"
-                ) from None
+            if sink is not None:
+                await self._delete_rows(sink, kind, list(keys.values()), before, deleted)
             renewer.cancel()
             letters = await self._script(self._claims.forget_release, held, token)
             held = []
@@ -258,6 +247,26 @@ class Forgetter:
             if held:  # failed or cancelled: give the holds back (markers stay cleared)
                 with contextlib.suppress(RedisError, OSError, asyncio.CancelledError):
                     await asyncio.shield(self._script(self._claims.forget_release, held, token))
+
+    async def _delete_rows(
+        self,
+        sink: DefaultSink,
+        kind: str,
+        digests: list[bytes],
+        before: Any,
+        deleted: set[bytes],
+    ) -> None:
+        """Delete the rows of ``digests`` (a statement per :data:`_DELETE_ROWS`), adding
+        those deleted to ``deleted``; the database's failures as :class:`Unavailable`."""
+        try:
+            for i in range(0, len(digests), _DELETE_ROWS):
+                deleted.update(await sink.forget_rows(kind, digests[i : i + _DELETE_ROWS], before))
+        except (DedupError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            raise Unavailable(
+                f"the database delete failed: {exc!r}", component="database"
+            ) from None
 
     async def _hold(self, token: str, keys: list[bytes], held: list[bytes]) -> None:
         """Hold every key of ``keys`` (retrying busy ones), appending each to ``held``."""

@@ -170,15 +170,15 @@ class Invalidations:
             return True
         if channel == self._channel_b:
             try:
-                kind, digests = self._read(data)
+                read = self._read(data)
             except BadMessage as exc:
                 self.bad_messages += 1
                 log.warning("an invalidation message was ignored: %s", exc)
                 return True
-            if kind is None:  # a reset: digests holds the epoch's number
-                self.adopt(int.from_bytes(digests[0]), authoritative=False)
+            if isinstance(read, int):  # a reset, to this epoch
+                self.adopt(read, authoritative=False)
             else:
-                self._local.invalidate(kind, digests)
+                self._local.invalidate(*read)
             return True
         return False
 
@@ -229,9 +229,9 @@ class Invalidations:
         body = orjson.dumps([_FORMAT, _TOPIC, kind, b"".join(digests).hex()])
         return sign(body, self._mac_key)
 
-    def _read(self, raw: object) -> tuple[str | None, list[bytes]]:
-        """The kind and digests of an invalidation (a reset: no kind, and its epoch as
-        the one "digest"); :class:`BadMessage` when it cannot be used."""
+    def _read(self, raw: object) -> tuple[str, list[bytes]] | int:
+        """The kind and digests of an invalidation, or the epoch of a reset;
+        :class:`BadMessage` when it cannot be used."""
         body = signed_body(raw, self._mac_key)
         try:
             fields: Any = orjson.loads(body)
@@ -241,7 +241,7 @@ class Invalidations:
             epoch = fields[2]
             if not (isinstance(epoch, int) and 0 <= epoch < 2**63):
                 raise BadMessage("malformed epoch")
-            return None, [epoch.to_bytes(8)]
+            return epoch
         if not (isinstance(fields, list) and len(fields) == 4 and fields[:2] == [_FORMAT, _TOPIC]):
             raise BadMessage(f"not an invalidation of format {_FORMAT}")
         kind, hexed = fields[2], fields[3]
