@@ -61,7 +61,7 @@ from dedup.errors import (
     WaitTimeout,
 )
 from dedup.gateway import Gateway
-from dedup.service.http import HttpServer, Limits, Request, Response
+from dedup.service.http import HttpServer, Request, Response
 from dedup.service.logs import setup_logging
 from dedup.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dedup.service.metrics import PUSH_INTERVAL_S, ServiceMetrics
@@ -700,18 +700,10 @@ async def serve(
     if heartbeat is not None:
         beating = asyncio.create_task(_beat(heartbeat), name="dedup-heartbeat")
     service = _Service(gateway, settings)
-    limits = Limits(
-        keepalive_timeout_s=settings.keepalive_timeout_s,
-        head_timeout_s=settings.head_timeout_s,
-        body_timeout_s=settings.body_timeout_s,
-        send_timeout_s=settings.send_timeout_s,
-        max_head_bytes=settings.max_head_bytes,
-        max_connections=settings.max_connections,
-    )
     _raise_open_files_limit(settings.max_connections)
     server = HttpServer(
         service,
-        limits=limits,
+        limits=settings.limits(),
         # One line per request: no headers or bodies, so the token and values stay out.
         access_log=settings.access_log,
     )

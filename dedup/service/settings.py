@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from dedup.errors import ConfigError
 from dedup.options import GatewayOptions
-from dedup.service.http import Limits
+from dedup.service.messages import Limits
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -212,6 +212,18 @@ class ServiceSettings:
         ):
             # It travels in an HTTP header: printable ASCII without spaces only.
             raise ConfigError("auth_token must be printable ASCII without spaces")
+
+    def limits(self) -> Limits:
+        """What one client may hold of the HTTP server (:class:`dedup.service.http.Limits`),
+        from these settings."""
+        return Limits(
+            keepalive_timeout_s=self.keepalive_timeout_s,
+            head_timeout_s=self.head_timeout_s,
+            body_timeout_s=self.body_timeout_s,
+            send_timeout_s=self.send_timeout_s,
+            max_head_bytes=self.max_head_bytes,
+            max_connections=self.max_connections,
+        )
 
     @property
     def loopback(self) -> bool:
