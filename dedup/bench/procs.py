@@ -32,7 +32,7 @@ from dedup._redis.connect import connect_redis, unlink_matching
 from dedup.bench.strategies import KIND, PER_REQUEST, percentiles, run_one
 from dedup.loop import run as run_loop
 from dedup.store.sinks import PG_FORGETTING
-from dedup.testing.servers import _descendants
+from dedup.testing.process import _descendants
 
 if TYPE_CHECKING:
     from dedup.bench import Planned

@@ -12,14 +12,8 @@ from typing import Any, Self
 import redis
 
 from dedup._redis.embedded import server_version
-from dedup.testing.servers import (
-    HOST,
-    START_TIMEOUT,
-    RedisServer,
-    ServerError,
-    find_redis_server,
-    free_port,
-)
+from dedup.testing.process import HOST, START_TIMEOUT, ServerError, free_port
+from dedup.testing.servers import RedisServer, find_redis_server
 
 __all__ = ["RedisClusterServers"]
 

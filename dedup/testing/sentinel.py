@@ -9,7 +9,8 @@ from typing import Any, Self
 
 import redis
 
-from dedup.testing.servers import HOST, START_TIMEOUT, RedisServer, ServerError
+from dedup.testing.process import HOST, START_TIMEOUT, ServerError
+from dedup.testing.servers import RedisServer
 
 __all__ = ["SERVICE", "RedisSentinelServers", "SentinelServer"]
 
