@@ -24,7 +24,7 @@ and closes the servers and connections, :mod:`dedup._engine.wiring` wires the st
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from hashlib import blake2b
 from time import monotonic
 from types import TracebackType
@@ -44,6 +44,17 @@ from dedup.errors import ConfigError, DedupError, InvalidInput, Unavailable
 from dedup.metrics import Stats
 from dedup.options import GatewayOptions, GatewayOptionsKwargs
 from dedup.store import DefaultSink
+from dedup.tracing import (
+    CREATED_COUNT,
+    DELETED_COUNT,
+    FORGOTTEN_COUNT,
+    ITEMS,
+    KIND,
+    active_tracer,
+    sink_system,
+    span,
+    trace_save,
+)
 from dedup.types import Item, Reconciled, SaveResult, Source
 
 __all__ = ["Gateway"]
@@ -107,6 +118,8 @@ class Gateway(RunOnceMixin):
         self._backends = Backends(checked, self._keys, self._stats)
         self._engine: Engine | None = None
         self._state = "new"
+        # db.system.name of the spans of answers from the sink (dedup.tracing).
+        self._sink_system = sink_system(checked.database_url, checked.sink is not None)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -224,7 +237,7 @@ class Gateway(RunOnceMixin):
         begun = self._save_begin(kind, value, payload)
         if isinstance(begun, _Pending):
             return await self._save_finish(begun)
-        return begun
+        return begun  # a local answer: no span (dedup.tracing)
 
     def _save_begin(self, kind: str, value: str, payload: Any = None) -> SaveResult | _Pending:
         """The part of :meth:`save` that needs no I/O: the answer when this process
@@ -270,8 +283,16 @@ class Gateway(RunOnceMixin):
                 return _LOCAL
         return _Pending(kind, value, digest, payload_json)
 
-    async def _save_finish(self, pending: _Pending) -> SaveResult:
-        """The rest of a :meth:`save` that :meth:`_save_begin` could not answer."""
+    def _save_finish(self, pending: _Pending) -> Awaitable[SaveResult]:
+        """The rest of a :meth:`save` that :meth:`_save_begin` could not answer, to await:
+        in a ``dedup.save`` span while a tracer provider is set (:mod:`dedup.tracing`).
+        Not a coroutine itself, so that an untraced save makes no second one."""
+        tracer = active_tracer()
+        if tracer is None:
+            return self._save_flight(pending)
+        return trace_save(tracer, pending.kind, self._save_flight(pending), self._sink_system)
+
+    async def _save_flight(self, pending: _Pending) -> SaveResult:
         engine = self._engine
         if self._state != "open" or engine is None:
             raise DedupError(f"the Gateway is {self._state}, not open")
@@ -293,6 +314,16 @@ class Gateway(RunOnceMixin):
         the database fails midway the call raises; values committed before the
         failure answer ``created=False`` on retry.
         """
+        tracer = active_tracer()
+        if tracer is None:
+            return await self._save_many(items)
+        with span(tracer, "dedup.save_many") as current:
+            results = await self._save_many(items)
+            current.set_attribute(ITEMS, len(results))
+            current.set_attribute(CREATED_COUNT, sum(r.created for r in results))
+            return results
+
+    async def _save_many(self, items: Iterable[Item]) -> list[SaveResult]:
         if isinstance(items, str | bytes | dict) or not hasattr(items, "__iter__"):
             # A string or a mapping iterates, but never as items: refuse it as a whole.
             raise InvalidInput(
@@ -349,7 +380,13 @@ class Gateway(RunOnceMixin):
         mode, a custom sink), or :class:`DedupError` when the Gateway is not open.
         """
         checked = (validate_kind(kind), validate_value(value, self._limits))
-        return (await self._forget_checked([checked]))[0]
+        tracer = active_tracer()
+        if tracer is None:
+            return (await self._forget_checked([checked]))[0]
+        with span(tracer, "dedup.forget", {KIND: kind, ITEMS: 1}) as current:
+            forgotten = (await self._forget_checked([checked]))[0]
+            current.set_attribute(FORGOTTEN_COUNT, int(forgotten))
+            return forgotten
 
     async def forget_many(self, items: Iterable[tuple[str, str]]) -> list[bool]:
         """:meth:`forget` of many values at once (one wait for them all); one bool per
@@ -367,7 +404,13 @@ class Gateway(RunOnceMixin):
                 raise InvalidInput("each item must be a tuple (kind, value)", index=index)
             kind = validate_kind(item[0], index)
             checked.append((kind, validate_value(item[1], self._limits, index)))
-        return await self._forget_checked(checked)
+        tracer = active_tracer()
+        if tracer is None:
+            return await self._forget_checked(checked)
+        with span(tracer, "dedup.forget", {ITEMS: len(checked)}) as current:
+            results = await self._forget_checked(checked)
+            current.set_attribute(FORGOTTEN_COUNT, sum(results))
+            return results
 
     async def _forget_checked(self, checked: list[tuple[str, bytes]]) -> list[bool]:
         """Forget validated ``(kind, digest)`` pairs: every kind at once (one wait)."""
@@ -412,9 +455,18 @@ class Gateway(RunOnceMixin):
             )
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidInput("batch_size must be a positive int", field="batch_size")
-        return await self._require_engine().forgetter.prune(
-            kind, older_than_s, batch_size=batch_size, progress=progress
-        )
+        forgetter = self._require_engine().forgetter
+        tracer = active_tracer()
+        if tracer is None:
+            return await forgetter.prune(
+                kind, older_than_s, batch_size=batch_size, progress=progress
+            )
+        with span(tracer, "dedup.prune", {KIND: kind}) as current:
+            deleted = await forgetter.prune(
+                kind, older_than_s, batch_size=batch_size, progress=progress
+            )
+            current.set_attribute(DELETED_COUNT, deleted)
+            return deleted
 
     async def reconcile(self) -> Reconciled:
         """Make the markers true to the database again, after it lost rows in a way no

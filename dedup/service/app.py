@@ -80,6 +80,9 @@ from dedup.service.openapi import (
     openapi_document,
 )
 from dedup.service.settings import ServiceSettings
+from dedup.service.tracing import configure as configure_tracing
+from dedup.service.tracing import end_server_span, server_span
+from dedup.tracing import active_tracer
 from dedup.types import Item, SaveResult
 from dedup.urls import redact
 
@@ -282,19 +285,41 @@ class _Service:
         self.metrics.connections_refused += 1
 
     async def _finish(self, request: Request, answer: Coroutine[Any, Any, Response]) -> Response:
+        tracer = active_tracer()
+        if tracer is None:
+            return self._count(request.path, request, await self._settle(request, answer))
+        # The request's span is current while its handler waits: the Gateway's spans are
+        # its children (this runs in the request's own task, whose context it changes).
+        from opentelemetry.trace import use_span
+
+        span = server_span(tracer, request, request.path)
+        with use_span(span, record_exception=False, set_status_on_exception=False):
+            response = await self._settle(request, answer)
+        return self._count(request.path, request, response, span)
+
+    async def _settle(self, request: Request, answer: Coroutine[Any, Any, Response]) -> Response:
         try:
-            response = await answer
+            return await answer
         except _ApiError as exc:
-            response = exc.response()
+            return exc.response()
         except Exception:
             log.exception("internal error answering %s %s", request.method, request.path)
-            response = _internal_error()
-        return self._count(request.path, request, response)
+            return _internal_error()
 
-    def _count(self, route: str, request: Request, response: Response) -> Response:
+    def _count(
+        self, route: str, request: Request, response: Response, span: Any = None
+    ) -> Response:
         """Count ``response`` under ``route`` (a known path: :meth:`handle` only gets the
-        requests :meth:`head` routed; else ``"other"``)."""
+        requests :meth:`head` routed; else ``"other"``), and end the request's span
+        (``span``, begun before its handler waited; else made now, while tracing)."""
         self.metrics.response(route, response.status, time.perf_counter() - request.started)
+        if span is not None:
+            end_server_span(span, request, response)
+        else:
+            tracer = active_tracer()  # tracing off: this check is all a request pays
+            if tracer is not None:
+                known = None if route == "other" else route
+                end_server_span(server_span(tracer, request, known), request, response)
         return response
 
     # ------------------------------------------------------------------- handlers
@@ -691,6 +716,8 @@ async def serve(
     every :data:`HEARTBEAT_INTERVAL_S` from the event loop until the end (so it stops
     when the loop is blocked): the supervisor's liveness check.
     """
+    # Tracing from the OTEL_* variables (dedup[otel]); each worker sets up its own.
+    stop_tracing = configure_tracing()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)
@@ -742,6 +769,8 @@ async def serve(
                 await beating
         for sig in signals:
             loop.remove_signal_handler(sig)
+        if stop_tracing is not None:
+            stop_tracing()  # exports what is still batched (bounded by the exporter's timeout)
 
 
 def _raise_open_files_limit(connections: int) -> None:
