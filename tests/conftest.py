@@ -7,24 +7,31 @@ Fixtures:
 * ``fresh_redis`` (function): a private redis-server per test (kill/pause/restart it freely).
 * ``pg_cluster`` (session): one :class:`PostgresCluster` for the whole run.
 * ``pg_empty_url`` (function): URL of a new, empty database, dropped after the test.
-* ``pg_url`` (function): like ``pg_empty_url`` with ``dedup.store.migrate.upgrade(url)`` applied.
+* ``pg_url`` (function): like ``pg_empty_url`` with ``dedup.store.migrate.upgrade(url)`` applied
+  (a copy of a database migrated once per session).
 * ``fresh_pg`` (function): a private PostgreSQL cluster per test (kill/restart it freely).
 * ``spawn`` (function): gateway child processes (:class:`tests.test_processes.Child`).
 
 With ``CI=true`` in the environment, a run in which any test was skipped, deselected,
 xfailed or xpassed exits with status 1.
 
-Two Redis versions: ``DEDUP_TEST_REDIS_SERVER=/path/to/redis-server`` makes that binary
-the ``redis-server`` of the whole run (first on PATH, so fixtures, embedded servers and
-child processes all start it). ``make test`` runs the suite on the system's Redis 7, then
-the tests marked ``redis6`` (:data:`REDIS6_FILES`, by file) again on a 6.2 binary with
-``-m redis6``; that pass's deselected tests ran in the first one, so they do not count
-as hidden.
+Several servers: ``DEDUP_TEST_REDIS_SERVER=/path/to/redis-server`` makes that binary the
+``redis-server`` of the whole run (first on PATH, so fixtures, embedded servers and child
+processes all start it); with ``-m redis6`` the deselected tests do not count as hidden.
+``DEDUP_TEST_ALSO_ON=/path/a:/path/b`` runs each test marked ``redis6``
+(:data:`REDIS6_FILES`, by file) once more on each of those binaries, in the same run: the
+test gets a parameter named after the server (``[valkey-9.1.2]``; PATH's own server too,
+``[redis-7.0.15]``) that puts the binary first
+on PATH for that test alone. ``make test`` runs the suite on the system's Redis 7 and the
+``redis6`` tests again on Redis 6.2 and Valkey 9.1 this way, in one run, so that the
+parallel workers share all of the work.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import functools
 import importlib
 import itertools
 import os
@@ -40,12 +47,13 @@ from typing import Any, cast
 import pytest
 import redis
 
-from dedup._redis.embedded import server_version
-from tests.servers import PostgresCluster, RedisServer
+from dedup._redis.embedded import server_name, server_version
+from tests.servers import PostgresCluster, RedisServer, find_redis_server
 from tests.test_processes import Child
 
 MIGRATE_TIMEOUT = 30.0
 REDIS_SERVER_ENV = "DEDUP_TEST_REDIS_SERVER"
+ALSO_ON_ENV = "DEDUP_TEST_ALSO_ON"
 REDIS6_MARK = "redis6"
 REDIS6_FILES = frozenset(
     {
@@ -76,10 +84,26 @@ _db_counter = itertools.count(1)
 
 
 @pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    """One redis-server for the whole session (use ``fresh_redis`` to kill or pause one)."""
-    with RedisServer() as server:
-        yield server
+def _redis_servers() -> Iterator[dict[str, RedisServer]]:
+    """The session's redis-servers, one per binary (the runs on other servers), stopped
+    at the end."""
+    servers: dict[str, RedisServer] = {}
+    try:
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+@pytest.fixture
+def redis_server(_redis_servers: dict[str, RedisServer], _server_binary: str) -> RedisServer:
+    """One redis-server of this test's binary for the whole session (use ``fresh_redis``
+    to kill or pause one)."""
+    binary = find_redis_server()  # what PATH gives this test
+    server = _redis_servers.get(binary)
+    if server is None:
+        server = _redis_servers[binary] = RedisServer(binary=binary).start()
+    return server
 
 
 @pytest.fixture
@@ -96,7 +120,7 @@ def redis_url(redis_server: RedisServer) -> str:
 
 
 @pytest.fixture
-def fresh_redis() -> Iterator[RedisServer]:
+def fresh_redis(_server_binary: str) -> Iterator[RedisServer]:
     """A private redis-server for this test only; stopped (SIGCONT, SIGTERM...) after it."""
     with RedisServer() as server:
         yield server
@@ -112,13 +136,14 @@ def pg_cluster() -> Iterator[PostgresCluster]:
         yield cluster
 
 
-@pytest.fixture
-def pg_empty_url(pg_cluster: PostgresCluster) -> Iterator[str]:
-    """URL of a new empty database on the session cluster; dropped (WITH FORCE) after."""
+@contextlib.contextmanager
+def _database(pg_cluster: PostgresCluster, template: str | None = None) -> Iterator[str]:
+    """A new database on the session cluster (a copy of ``template`` if given), dropped
+    (WITH FORCE) after; its URL."""
     if not pg_cluster.is_alive():  # a test killed it by mistake: keep the rest going
         pg_cluster.restart()
     name = f"t_{next(_db_counter)}_{os.getpid()}"
-    url = pg_cluster.create_database(name)
+    url = pg_cluster.create_database(name, template=template)
     try:
         yield url
     finally:
@@ -126,17 +151,39 @@ def pg_empty_url(pg_cluster: PostgresCluster) -> Iterator[str]:
             pg_cluster.drop_database(name)
 
 
-@pytest.fixture
-def pg_url(pg_empty_url: str) -> str:
-    """URL of a new database with the dedup schema (``dedup.store.migrate.upgrade``) applied."""
+def _migrate(url: str) -> None:
+    """``dedup.store.migrate.upgrade(url)``, in a thread of its own: upgrade() may run its
+    own event loop (asyncio.run), which must not disturb the test's loop."""
     # Imported here so that the fixtures work before/without dedup.store.migrate.
     module = importlib.import_module("dedup.store.migrate")
     upgrade = cast(Callable[[str], None], module.upgrade)
-    # In a thread of its own: upgrade() may run its own event loop (asyncio.run),
-    # which must not disturb the test's loop.
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="migrate") as pool:
-        pool.submit(upgrade, pg_empty_url).result(timeout=MIGRATE_TIMEOUT)
-    return pg_empty_url
+        pool.submit(upgrade, url).result(timeout=MIGRATE_TIMEOUT)
+
+
+@pytest.fixture
+def pg_empty_url(pg_cluster: PostgresCluster) -> Iterator[str]:
+    """URL of a new empty database on the session cluster; dropped (WITH FORCE) after."""
+    with _database(pg_cluster) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def _migrated_template(pg_cluster: PostgresCluster) -> str:
+    """A database of the session cluster with ``dedup.store.migrate.upgrade`` applied, once:
+    each ``pg_url`` is a copy of it (CREATE DATABASE ... TEMPLATE), the same tables, rows
+    and triggers as a migration of its own gives, without running one per test."""
+    name = f"t_migrated_{os.getpid()}"
+    _migrate(pg_cluster.create_database(name))  # its connections end with the migration
+    return name
+
+
+@pytest.fixture
+def pg_url(pg_cluster: PostgresCluster, _migrated_template: str) -> Iterator[str]:
+    """URL of a new database with the dedup schema (``dedup.store.migrate.upgrade``)
+    applied: a copy of a database migrated once per session; dropped after the test."""
+    with _database(pg_cluster, _migrated_template) as url:
+        yield url
 
 
 @pytest.fixture
@@ -193,15 +240,74 @@ def _use_redis_server(config: pytest.Config) -> None:
     ``redis-server`` (a folder of its own holding a link to it) for this run and every
     process it starts; refuse a path that is no runnable redis-server."""
     binary = os.environ.get(REDIS_SERVER_ENV, "")
-    if not binary:
-        return
+    if binary:
+        folder = _linked(config, REDIS_SERVER_ENV, binary)
+        os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
+
+
+@dataclass(frozen=True)
+class _Server:
+    """A redis-server binary that the ``redis6`` tests run on again: its folder holds it
+    as ``redis-server``, to put first on PATH."""
+
+    label: str
+    folder: str
+
+
+_servers_key = pytest.StashKey[list[_Server]]()
+
+
+def _other_servers(config: pytest.Config) -> list[_Server]:
+    """The binaries of ``DEDUP_TEST_ALSO_ON``, each linked as ``redis-server`` in a folder
+    of its own."""
+    if _servers_key not in config.stash:
+        config.stash[_servers_key] = [
+            _Server(_label(binary), _linked(config, ALSO_ON_ENV, binary))
+            for binary in filter(None, os.environ.get(ALSO_ON_ENV, "").split(os.pathsep))
+        ]
+    return config.stash[_servers_key]
+
+
+def _label(binary: str) -> str:
+    """``redis-7.0.15``, ``valkey-9.1.2``: a binary's name in test ids."""
+    return f"{server_name(binary).lower()}-{'.'.join(map(str, server_version(binary)))}"
+
+
+def _linked(config: pytest.Config, env: str, binary: str) -> str:
+    """A folder of its own holding ``binary`` as ``redis-server`` (removed at the end of
+    the run); refuse a path that is no runnable redis-server."""
     path = os.path.abspath(binary)
     if not os.access(path, os.X_OK) or server_version(path) == (0, 0, 0):
-        raise pytest.UsageError(f"{REDIS_SERVER_ENV}={binary}: not a runnable redis-server")
+        raise pytest.UsageError(f"{env}={binary}: not a runnable redis-server")
     folder = tempfile.mkdtemp(prefix="dedup-redis-bin-")
     os.symlink(path, os.path.join(folder, "redis-server"))
-    os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
-    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    config.add_cleanup(functools.partial(shutil.rmtree, folder, ignore_errors=True))
+    return folder
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    definition = metafunc.definition
+    if (
+        definition.path.name not in REDIS6_FILES
+        and definition.get_closest_marker(REDIS6_MARK) is None
+    ):
+        return
+    others = _other_servers(metafunc.config)
+    if others:  # the first: PATH's own redis-server, as for every other test
+        params = [None, *others]
+        ids = [_label(find_redis_server()), *(server.label for server in others)]
+        metafunc.parametrize("_server_binary", params, indirect=True, ids=ids)
+
+
+@pytest.fixture(autouse=True)
+def _server_binary(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The redis-server this test runs on: PATH's, or for a ``redis6`` test's run on another
+    server (``DEDUP_TEST_ALSO_ON``) that one, first on PATH for the test and every process
+    it starts. Autouse, so it comes before the fixtures that start servers."""
+    server = cast(_Server | None, getattr(request, "param", None))
+    if server is not None:
+        monkeypatch.setenv("PATH", server.folder + os.pathsep + os.environ.get("PATH", ""))
+    return find_redis_server()
 
 
 def _second_pass(config: pytest.Config) -> bool:
@@ -215,8 +321,11 @@ def pytest_report_header(config: pytest.Config) -> str:
         return "redis-server: none on PATH"
     version = ".".join(map(str, server_version(found)))
     chosen = os.environ.get(REDIS_SERVER_ENV)
-    return f"redis-server: {found} (version {version})" + (
-        f", {REDIS_SERVER_ENV}={chosen}" if chosen else ""
+    others = ", ".join(server.label for server in _other_servers(config))
+    return (
+        f"redis-server: {found} (version {version})"
+        + (f", {REDIS_SERVER_ENV}={chosen}" if chosen else "")
+        + (f"; the redis6 tests also on {others}" if others else "")
     )
 
 

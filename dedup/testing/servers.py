@@ -618,9 +618,11 @@ class PostgresCluster(_Managed):
             raise ServerError(f"psql failed ({result.returncode}) for {sql!r}:\n{result.stderr}")
         return result.stdout
 
-    def create_database(self, name: str) -> str:
-        """Create database ``name``; return its URL."""
-        self.psql(f"CREATE DATABASE {_quote_ident(name)}")
+    def create_database(self, name: str, *, template: str | None = None) -> str:
+        """Create database ``name`` (a copy of database ``template`` if given, which no
+        session may be connected to meanwhile); return its URL."""
+        copy_of = f" TEMPLATE {_quote_ident(template)}" if template is not None else ""
+        self.psql(f"CREATE DATABASE {_quote_ident(name)}{copy_of}")
         return self.url(name)
 
     def drop_database(self, name: str) -> None:
