@@ -18,6 +18,7 @@ from dedup.errors import DedupError
 from tests.servers import PostgresCluster, RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
+FLEET = ("db-only", "db-plain", "dedup")  # the strategies of the process sweep, in order
 
 
 def _check_run(r: dict[str, Any]) -> None:
@@ -36,8 +37,13 @@ def _check_run(r: dict[str, Any]) -> None:
     assert r["rows_sent"] >= r["unique"], r
     if r["strategy"] == "dedup":
         assert r["rows_sent"] == r["unique"], r  # no duplicate ever reached the database
-    if r["strategy"] == "db-only":
+    if r["strategy"] in ("db-only", "db-plain"):
         assert r["redis_round_trips"] == r["redis_server_calls"] == 0, r
+        if r["processes"] == 1:
+            # Its LRU answers every repeat of a saved value (none is evicted from a
+            # stream this small) and its singleflight every repeat in flight: each
+            # value reaches the database once.
+            assert r["rows_sent"] == r["unique"], r
     if r["strategy"] == "textbook":
         assert r["redis_round_trips"] >= r["requests"], r  # at least one per request
 
@@ -78,7 +84,7 @@ async def test_bench_cli_runs_every_strategy_and_shape(
 
     run = subprocess.run(
         [sys.executable, "-m", "dedup", "bench", "--quick", "--requests", "2000",
-         "--strategies", "textbook,redis-lock,db-only,dedup", "--processes", "1,2",
+         "--strategies", "textbook,redis-lock,db-only,db-plain,dedup", "--processes", "1,2",
          "--concurrency", "8,16", "--rate", "4000", "--outstanding", "32",
          "--memory-values", "20k",
          "--redis-url", redis_url, "--database-url", pg_url, "--out", str(tmp_path)],
@@ -96,14 +102,14 @@ async def test_bench_cli_runs_every_strategy_and_shape(
     }
     assert shapes == {
         *(("zipf", s, 1, 8, None) for s in ("textbook", "redis-lock")),
-        *(("zipf", s, n, 8, None) for s in ("db-only", "dedup") for n in (1, 2)),
-        *(("zipf", s, 1, 16, None) for s in ("db-only", "dedup")),
-        *(("zipf", s, n, 32, 4000.0) for s in ("db-only", "dedup") for n in (1, 2)),
+        *(("zipf", s, n, 8, None) for s in FLEET for n in (1, 2)),
+        *(("zipf", s, 1, 16, None) for s in FLEET),
+        *(("zipf", s, n, 32, 4000.0) for s in FLEET for n in (1, 2)),
         *(("uniform", s, 1, 8, None) for s in bench.STRATEGIES),
-        *(("uniform", s, 1, 16, None) for s in ("db-only", "dedup")),
+        *(("uniform", s, 1, 16, None) for s in FLEET),
     }
     assert len(runs) == len(shapes) == len(bench.plan(bench.config_from_flags(
-        quick=True, requests=2000, strategies="textbook,redis-lock,db-only,dedup",
+        quick=True, requests=2000, strategies="textbook,redis-lock,db-only,db-plain,dedup",
         processes="1,2", concurrency="8,16", rate="4000", outstanding=32,
     )))  # fmt: skip
     for r in runs:
@@ -116,6 +122,22 @@ async def test_bench_cli_runs_every_strategy_and_shape(
             # or take the per-connection setup (script loads, a subscription).
             client, server = r["redis_round_trips"], r["redis_server_calls"]
             assert abs(client - server) <= 10 + 0.02 * server, r
+    # db-only beside db-plain on every shape both ran, in the JSON and the table.
+    check = report["baseline_check"]
+    assert [(c["workload"], c["processes"], c["concurrency"], c["rate"]) for c in check] == [
+        (r["workload"], r["processes"], r["concurrency"], r["rate"])
+        for r in runs
+        if r["strategy"] == "db-only"
+    ]
+    by_shape = {(r["workload"], r["strategy"], r["processes"], r["concurrency"], r["rate"]): r
+                for r in runs}  # fmt: skip
+    for c in check:
+        shape = c["workload"], c["processes"], c["concurrency"], c["rate"]
+        db_only, plain = (by_shape[(shape[0], s, *shape[1:])] for s in ("db-only", "db-plain"))
+        assert c["rps"] == [db_only["rps"], plain["rps"]], c
+        assert c["rps_ratio"] == pytest.approx(db_only["rps"] / plain["rps"]), c
+    summary = run.stdout[run.stdout.index("db-only against db-plain") :]
+    assert len(summary.split("\n\n")[0].splitlines()) == 2 + len(check), summary
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert report["memory"]["redis_bytes_per_saved_value"] > 0
     assert report["config"]["memory_values"] == report["memory"]["memory_values"] == 20_000

@@ -1,11 +1,13 @@
 """``dedup bench``: dedup against the textbook pattern and the database alone, from one
 command: the plan, the runs (:mod:`.run`, :mod:`.procs`), the strategies compared
-(:mod:`.strategies`), Redis memory per layout (:mod:`.memory`) and the report.
+(:mod:`.strategies`; :mod:`.plain` is the check on the ``db-only`` baseline), Redis
+memory per layout (:mod:`.memory`) and the report.
 """
 
 from __future__ import annotations
 
 from dedup.bench.report import (
+    baseline_check,
     cluster_comparison,
     format_cluster_comparison,
     format_layouts,
@@ -39,6 +41,7 @@ __all__ = [
     "Planned",
     "RunResult",
     "ServerPids",
+    "baseline_check",
     "bench_command",
     "cluster_comparison",
     "config_from_flags",

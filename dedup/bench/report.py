@@ -12,7 +12,9 @@ from dedup.bench.strategies import PER_REQUEST, REDIS_FREE
 
 __all__ = [
     "COLUMNS",
+    "baseline_check",
     "cluster_comparison",
+    "format_baseline_check",
     "format_cluster_comparison",
     "format_layouts",
     "format_table",
@@ -73,6 +75,52 @@ def cluster_comparison(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def baseline_check(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each ``db-only`` run next to its ``db-plain`` twin (same workload and shape): the
+    baseline dedup is compared with, as a share of the same work written plainly. A
+    ratio well under 1 means the baseline is weak and dedup's ratios to it flatter."""
+    plain = {_shape(r)[:1] + _shape(r)[2:]: r for r in runs if r["strategy"] == "db-plain"}
+    rows = []
+    for r in runs:
+        twin = plain.get(_shape(r)[:1] + _shape(r)[2:]) if r["strategy"] == "db-only" else None
+        if twin is None:
+            continue
+        rows.append(
+            {
+                "workload": r["workload"],
+                "processes": r["processes"],
+                "concurrency": r["concurrency"],
+                "rate": r["rate"],
+                "rps": [r["rps"], twin["rps"]],
+                "rps_ratio": r["rps"] / twin["rps"] if twin["rps"] else None,
+                "cpu_us_per_request": [
+                    r["gateway_cpu_us_per_request"],
+                    twin["gateway_cpu_us_per_request"],
+                ],
+                "rows_sent_per_unique": [r["rows_sent_per_unique"], twin["rows_sent_per_unique"]],
+            }
+        )
+    return rows
+
+
+def format_baseline_check(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The lines of :func:`baseline_check`."""
+    lines = [
+        "db-only against db-plain (the same work written plainly; same stream and shape):",
+        f"{'workload':<8} {'procs':>5} {'callers':>7} {'offered':>9} {'db-only':>9} "
+        f"{'db-plain':>9} {'ratio':>5}  {'cpu us/req':>13}  {'rows/uniq':>13}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['workload']:<8} {r['processes']:>5} {r['concurrency']:>7} "
+            + (f"{'closed':>9}" if r["rate"] is None else f"{r['rate']:>9,.0f}")
+            + f" {r['rps'][0]:>9,.0f} {r['rps'][1]:>9,.0f} {_fmt(r['rps_ratio'], '.2f', 5)}"
+            f"  {r['cpu_us_per_request'][0]:>5.2f} / {r['cpu_us_per_request'][1]:<5.2f}"
+            f"  {r['rows_sent_per_unique'][0]:>5.3f} / {r['rows_sent_per_unique'][1]:<5.3f}"
+        )
+    return lines
+
+
 def _shape(r: dict[str, Any]) -> tuple[Any, ...]:
     return r["workload"], r["strategy"], r["processes"], r["concurrency"], r["rate"]
 
@@ -101,7 +149,12 @@ def _chart(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
         return None
     fleet = _fleet(runs)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    colors = {"db-only": "#cc6677", "dedup": "#4477aa", "dedup (cluster)": "#228833"}
+    colors = {
+        "db-only": "#cc6677",
+        "db-plain": "#ddcc77",
+        "dedup": "#4477aa",
+        "dedup (cluster)": "#228833",
+    }
     for series in dict.fromkeys(_series(r) for r in fleet):
         mine = sorted((r for r in fleet if _series(r) == series), key=lambda r: r["processes"])
         x = [r["processes"] for r in mine]
@@ -218,6 +271,8 @@ def format_table(report: dict[str, Any]) -> str:
     comparison = report.get("cluster", {}).get("comparison")
     if comparison:
         lines += ["", *format_cluster_comparison(comparison)]
+    if report.get("baseline_check"):
+        lines += ["", *format_baseline_check(report["baseline_check"])]
     lines.append("")
     scalars = {k: v for k, v in report["memory"].items() if k != "layouts"}
     for k, v in {**report["ceilings"], **scalars}.items():

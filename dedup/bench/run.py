@@ -43,7 +43,7 @@ import asyncpg
 from dedup._values import digest
 from dedup.bench.memory import gateway_memory, measure_layouts
 from dedup.bench.procs import ServerPids, count_rows, reset, run_processes, value_of
-from dedup.bench.report import _chart, cluster_comparison, format_table
+from dedup.bench.report import _chart, baseline_check, cluster_comparison, format_table
 from dedup.bench.strategies import KIND, PER_REQUEST, REDIS_FREE, STRATEGIES, run_one
 from dedup.cli.demo import make_stream
 from dedup.errors import DedupError
@@ -429,6 +429,9 @@ def run_bench(
     # maximum RSS above is the bench's before the layouts' key lists exist.
     report["memory"]["layouts"] = run_loop(measure_layouts(cfg.memory_values, log))
     report["runs"] = [{**asdict(r), **r.derived()} for r in results]
+    check = baseline_check(report["runs"])
+    if check:
+        report["baseline_check"] = check
     comparison = cluster_comparison(report["runs"])
     if comparison:
         report["cluster"] = {

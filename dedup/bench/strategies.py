@@ -6,6 +6,8 @@
 - ``db-only``: no Redis; an in-process LRU (as many entries as the Gateway's default
   ``local_cache_size``) and singleflight, and one sorted multi-row
   ``INSERT ... ON CONFLICT DO NOTHING`` per event-loop tick;
+- ``db-plain``: the same work written the plain way (:mod:`dedup.bench.plain`), a check
+  that ``db-only`` stays as fast as the database alone can be;
 - ``dedup``: the :class:`~dedup.Gateway`.
 
 Each runs on one Redis or on a Redis Cluster (``redis+cluster://``): the textbook and
@@ -36,6 +38,7 @@ from redis.asyncio.cluster import RedisCluster
 from dedup import Gateway
 from dedup._engine.local import SavedCache
 from dedup._values import digest
+from dedup.bench.plain import PlainDbOnly
 from dedup.options import GatewayOptions
 from dedup.store import keep_session
 from dedup.urls import CLUSTER_SCHEMES
@@ -54,11 +57,11 @@ __all__ = [
 ]
 
 KIND = "bench"
-STRATEGIES = ("textbook", "redis-lock", "db-only", "dedup")
+STRATEGIES = ("textbook", "redis-lock", "db-only", "db-plain", "dedup")
 # One Redis lock per request: far too slow for the fleet sweep, and they add nothing
 # to it; they run in one process, on every workload, at the first concurrency.
 PER_REQUEST = ("textbook", "redis-lock")
-REDIS_FREE = ("db-only",)
+REDIS_FREE = ("db-only", "db-plain")
 """Strategies that never touch Redis: ``--cluster`` runs them once, not on the cluster."""
 
 INSERT_ONE = """
@@ -180,6 +183,9 @@ class _DbOnly:
         self.pool, self.c, self.max_batch = pool, c, max_batch
         # The same memory as the Gateway's local tier by default: a fair baseline.
         self.local = SavedCache(GatewayOptions().local_cache_size)
+        # A tier answers only while its invalidation channel is heard (the Gateway's
+        # forgets). db-only forgets nothing and has no channel: its tier always answers.
+        self.local.until = math.inf
         self.inflight: dict[bytes, asyncio.Future[bool]] = {}
         self.queue: list[tuple[bytes, str]] = []
         self.scheduled = False
@@ -196,9 +202,11 @@ class _DbOnly:
         if (KIND, d) in self.local:
             self.local.promote(KIND, value, self.local.key(KIND, d))
             return False
+        # Callers await the shared future itself: the bench never cancels one, and a
+        # shield would cost each of them an extra future and two callbacks.
         fut = self.inflight.get(d)
         if fut is not None:
-            await asyncio.shield(fut)
+            await fut
             return False
         fut = asyncio.get_running_loop().create_future()
         self.inflight[d] = fut
@@ -206,7 +214,7 @@ class _DbOnly:
         if not self.scheduled:
             self.scheduled = True
             asyncio.get_running_loop().call_soon(self.flush)
-        return await asyncio.shield(fut)
+        return await fut
 
     def flush(self) -> None:
         self.scheduled = False
@@ -231,9 +239,10 @@ class _DbOnly:
                     self.inflight.pop(d).set_exception(exc)
                 return
             inserted = {bytes(rec[0]) for rec in recs}
+            self.local.add_many(KIND, [d for d, _ in batch])
+            pop = self.inflight.pop
             for d, _ in batch:
-                self.local.add(KIND, d)
-                self.inflight.pop(d).set_result(d in inserted)
+                pop(d).set_result(d in inserted)
         finally:
             self.running -= 1
             if self.queue and not self.scheduled:
@@ -366,6 +375,7 @@ async def run_one(
     # Every strategy gets the sink's pool settings: no reset query on release.
     pool = await asyncpg.create_pool(pg_url, min_size=4, max_size=32, reset=keep_session)
     gw: Gateway | None = None
+    plain: PlainDbOnly | None = None
     try:
         if strategy == "textbook":
             r = await _per_request_client(redis_url, concurrency + 8)
@@ -375,6 +385,9 @@ async def run_one(
             save = await _redis_lock(r, pool, c, "rl")
         elif strategy == "db-only":
             save = _DbOnly(pool, c).save
+        elif strategy == "db-plain":
+            plain = PlainDbOnly(pool, KIND, GatewayOptions().local_cache_size)
+            save = plain.save
         else:
             gw = Gateway(redis_url, pg_url, namespace="bench", **(options or {}))
             await gw.open()
@@ -393,6 +406,8 @@ async def run_one(
             seconds, created, errors = await _open_loop(save, values, rate, concurrency, latencies)
         cpu = _own_cpu_s() - cpu0
         c.batches = c.redis  # one command at a time, each awaited before the next
+        if plain is not None:
+            c.statements, c.rows_sent = plain.statements, plain.rows_sent
         local = 0  # answered by this process's local tier (dedup only)
         if gw is not None:
             # Counted after the close: until then this process may still be the fleet's
