@@ -50,10 +50,10 @@ from dedup.tracing import (
     FORGOTTEN_COUNT,
     ITEMS,
     KIND,
-    active_tracer,
     sink_system,
     span,
     trace_save,
+    trace_tracer,
 )
 from dedup.types import Item, Reconciled, SaveResult, Source
 
@@ -117,6 +117,7 @@ class Gateway(RunOnceMixin):
         self._kinds_ok: set[str] = set()
         self._backends = Backends(checked, self._keys, self._stats)
         self._engine: Engine | None = None
+        self._parts_made: tuple[Engine, EngineParts] | None = None
         self._state = "new"
         # db.system.name of the spans of answers from the sink (dedup.tracing).
         self._sink_system = sink_system(checked.database_url, checked.sink is not None)
@@ -287,7 +288,7 @@ class Gateway(RunOnceMixin):
         """The rest of a :meth:`save` that :meth:`_save_begin` could not answer, to await:
         in a ``dedup.save`` span while a tracer provider is set (:mod:`dedup.tracing`).
         Not a coroutine itself, so that an untraced save makes no second one."""
-        tracer = active_tracer()
+        tracer = trace_tracer()
         if tracer is None:
             return self._save_flight(pending)
         return trace_save(tracer, pending.kind, self._save_flight(pending), self._sink_system)
@@ -314,7 +315,7 @@ class Gateway(RunOnceMixin):
         the database fails midway the call raises; values committed before the
         failure answer ``created=False`` on retry.
         """
-        tracer = active_tracer()
+        tracer = trace_tracer()
         if tracer is None:
             return await self._save_many(items)
         with span(tracer, "dedup.save_many") as current:
@@ -380,7 +381,7 @@ class Gateway(RunOnceMixin):
         mode, a custom sink), or :class:`DedupError` when the Gateway is not open.
         """
         checked = (validate_kind(kind), validate_value(value, self._limits))
-        tracer = active_tracer()
+        tracer = trace_tracer()
         if tracer is None:
             return (await self._forget_checked([checked]))[0]
         with span(tracer, "dedup.forget", {KIND: kind, ITEMS: 1}) as current:
@@ -404,7 +405,7 @@ class Gateway(RunOnceMixin):
                 raise InvalidInput("each item must be a tuple (kind, value)", index=index)
             kind = validate_kind(item[0], index)
             checked.append((kind, validate_value(item[1], self._limits, index)))
-        tracer = active_tracer()
+        tracer = trace_tracer()
         if tracer is None:
             return await self._forget_checked(checked)
         with span(tracer, "dedup.forget", {ITEMS: len(checked)}) as current:
@@ -456,7 +457,7 @@ class Gateway(RunOnceMixin):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidInput("batch_size must be a positive int", field="batch_size")
         forgetter = self._require_engine().forgetter
-        tracer = active_tracer()
+        tracer = trace_tracer()
         if tracer is None:
             return await forgetter.prune(
                 kind, older_than_s, batch_size=batch_size, progress=progress
@@ -531,8 +532,11 @@ class Gateway(RunOnceMixin):
         backends, engine = self._backends, self._engine
         if self._state != "open" or engine is None:
             raise DedupError(f"the Gateway is {self._state}, not open")
+        made = self._parts_made
+        if made is not None and made[0] is engine:
+            return made[1]  # built once per open Gateway: every run-once call asks for them
         assert backends.claims is not None and backends.sink is not None
-        return EngineParts(
+        parts = EngineParts(
             keys=self._keys,
             limits=self._limits,
             claims=backends.claims,
@@ -545,6 +549,8 @@ class Gateway(RunOnceMixin):
             write_timeout_s=self.options.write_timeout_s,
             degraded=lambda: engine.degraded.active,
         )
+        self._parts_made = (engine, parts)
+        return parts
 
     def _require_engine(self) -> Engine:
         engine = self._engine

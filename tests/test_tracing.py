@@ -109,6 +109,11 @@ def spans() -> Iterator[InMemorySpanExporter]:
         _EXPORTER.clear()
 
 
+def caller() -> Any:
+    """A span of the application's own, current for the block: dedup's spans join it."""
+    return trace.get_tracer("tests").start_as_current_span("caller")
+
+
 def named(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
     return [s for s in exporter.get_finished_spans() if s.name == name]
 
@@ -125,12 +130,16 @@ async def test_a_save_that_leaves_the_process_makes_a_span_a_local_one_none(
 ) -> None:
     kind = "t-" + secrets.token_hex(4)
     async with Gateway(redis_url, pg_url) as one, Gateway(redis_url, pg_url) as two:
-        first = await one.save(kind, "a@example.com")
-        assert (first.created, first.source) == (True, "write")
-        again = await one.save(kind, "a@example.com")
-        assert again.source == "local"
-        other = await two.save(kind, "a@example.com")  # the marker answers
-        assert (other.created, other.source) == (False, "redis")
+        with caller() as parent:
+            first = await one.save(kind, "a@example.com")
+            assert (first.created, first.source) == (True, "write")
+            again = await one.save(kind, "a@example.com")
+            assert again.source == "local"
+            other = await two.save(kind, "a@example.com")  # the marker answers
+            assert (other.created, other.source) == (False, "redis")
+        # Outside any span of the caller's, dedup starts no trace of its own.
+        assert (await one.save(kind, "untraced")).source == "write"
+        assert (await one.save_many([(kind, "untraced-too")]))[0].created
     saves = named(spans, "dedup.save")
     assert [attrs(s) for s in saves] == [
         {
@@ -146,7 +155,10 @@ async def test_a_save_that_leaves_the_process_makes_a_span_a_local_one_none(
             "db.system.name": "redis",
         },
     ]
+    assert named(spans, "dedup.save_many") == []
     for s in saves:
+        assert s.parent is not None
+        assert s.parent.span_id == parent.get_span_context().span_id
         assert s.kind == SpanKind.INTERNAL
         assert s.status.status_code == StatusCode.UNSET
         assert s.instrumentation_scope is not None and s.instrumentation_scope.name == "dedup"
@@ -156,9 +168,8 @@ async def test_saves_sharing_a_flight_each_make_a_span_under_the_callers_span(
     spans: InMemorySpanExporter, redis_url: str, pg_url: str
 ) -> None:
     kind = "t-" + secrets.token_hex(4)
-    tracer = trace.get_tracer("tests")
     async with Gateway(redis_url, pg_url) as gw:
-        with tracer.start_as_current_span("caller") as caller:
+        with caller() as parent:
             results = await asyncio.gather(gw.save(kind, "v"), gw.save(kind, "v"))
     assert sorted(r.source for r in results) == ["inflight", "write"]
     saves = named(spans, "dedup.save")
@@ -167,9 +178,9 @@ async def test_saves_sharing_a_flight_each_make_a_span_under_the_callers_span(
     assert "db.system.name" not in attrs(inflight)  # another call's I/O answered it
     for s in saves:
         assert s.parent is not None
-        assert s.parent.span_id == caller.get_span_context().span_id
+        assert s.parent.span_id == parent.get_span_context().span_id
         assert s.context is not None
-        assert s.context.trace_id == caller.get_span_context().trace_id
+        assert s.context.trace_id == parent.get_span_context().trace_id
 
 
 async def test_save_many_makes_one_span(
@@ -179,7 +190,8 @@ async def test_save_many_makes_one_span(
     async with Gateway(redis_url, pg_url) as gw:
         await gw.save(kind, "old")
         spans.clear()
-        results = await gw.save_many([(kind, "old"), (kind, "new-1"), (kind, "new-2")])
+        with caller():
+            results = await gw.save_many([(kind, "old"), (kind, "new-1"), (kind, "new-2")])
     assert [r.created for r in results] == [False, True, True]
     batch = named(spans, "dedup.save_many")
     assert len(batch) == 1
@@ -194,14 +206,15 @@ async def test_forget_forget_many_and_prune_make_their_spans(
     async with Gateway(redis_url, pg_url) as gw:
         await gw.save_many([(kind, f"v{i}") for i in range(5)])
         spans.clear()
-        assert await gw.forget(kind, "v0") is True
-        assert await gw.forget_many([(kind, "v1"), (kind, "v2"), (kind, "never")]) == [
-            True,
-            True,
-            False,
-        ]
-        await asyncio.sleep(0.05)  # the rows' created_at is the database's clock
-        assert await gw.prune(kind, 0.001) == 2
+        with caller():
+            assert await gw.forget(kind, "v0") is True
+            assert await gw.forget_many([(kind, "v1"), (kind, "v2"), (kind, "never")]) == [
+                True,
+                True,
+                False,
+            ]
+            await asyncio.sleep(0.05)  # the rows' created_at is the database's clock
+            assert await gw.prune(kind, 0.001) == 2
     forgets = named(spans, "dedup.forget")
     assert [attrs(s) for s in forgets] == [
         {"dedup.kind": kind, "dedup.items": 1, "dedup.forgotten_count": 1},
@@ -220,7 +233,7 @@ async def test_a_failed_save_ends_its_span_in_error_without_a_password(
         raise RuntimeError(f"cannot reach postgresql://app:{secret}@db.internal/app")
 
     async with Gateway(redis_url, sink=broken_sink) as gw:
-        with pytest.raises(Unavailable):
+        with caller(), pytest.raises(Unavailable):
             await gw.save("t-broken", "v")
     (failed,) = named(spans, "dedup.save")
     assert failed.status.status_code == StatusCode.ERROR
@@ -410,6 +423,20 @@ def test_dedup_serve_exports_over_otlp_as_the_otel_variables_say(
     assert server.parent_span_id.hex() == PARENT_ID
     assert save.parent_span_id == server.span_id
     assert {a.key: a.value.string_value for a in save.attributes}["dedup.kind"] == kind
+
+
+def test_dedup_serve_refuses_an_exporter_that_is_not_installed(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "DEDUP_"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "dedup", "serve", "--port", "0", "--data-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        env={**env, "OTEL_TRACES_EXPORTER": "console,no-such-exporter"},
+    )
+    assert done.returncode == 2, done.stderr
+    assert "OTEL_TRACES_EXPORTER asks for 'no-such-exporter'" in done.stderr, done.stderr
 
 
 # --------------------------------------------------- nothing without a provider

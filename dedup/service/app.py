@@ -81,7 +81,7 @@ from dedup.service.openapi import (
 )
 from dedup.service.settings import ServiceSettings
 from dedup.service.tracing import configure as configure_tracing
-from dedup.service.tracing import end_server_span, server_span
+from dedup.service.tracing import continues_a_trace, end_server_span, server_span
 from dedup.tracing import active_tracer
 from dedup.types import Item, SaveResult
 from dedup.urls import redact
@@ -286,7 +286,7 @@ class _Service:
 
     async def _finish(self, request: Request, answer: Coroutine[Any, Any, Response]) -> Response:
         tracer = active_tracer()
-        if tracer is None:
+        if tracer is None or not continues_a_trace(request.headers):
             return self._count(request.path, request, await self._settle(request, answer))
         # The request's span is current while its handler waits: the Gateway's spans are
         # its children (this runs in the request's own task, whose context it changes).
@@ -317,7 +317,7 @@ class _Service:
             end_server_span(span, request, response)
         else:
             tracer = active_tracer()  # tracing off: this check is all a request pays
-            if tracer is not None:
+            if tracer is not None and continues_a_trace(request.headers):
                 known = None if route == "other" else route
                 end_server_span(server_span(tracer, request, known), request, response)
         return response

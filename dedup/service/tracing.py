@@ -38,12 +38,19 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Span, Tracer
 
-__all__ = ["configure", "end_server_span", "server_span", "wanted"]
+__all__ = ["configure", "continues_a_trace", "end_server_span", "server_span", "wanted"]
 
 log = logging.getLogger("dedup.service")
 
 _EXPORTER_GROUP = "opentelemetry_traces_exporter"
 _OTLP_BY_PROTOCOL = {"http/protobuf": "otlp_proto_http", "grpc": "otlp_proto_grpc"}
+# The samplers that never record a trace begun here: with them a request that brings no
+# trace of its caller's is not traced, and costs no span (one the sampler would drop
+# costs about 4 µs with the SDK, a repeat's whole answer 10 to 20 µs).
+_DROP_ROOTS = frozenset(("always_off", "parentbased_always_off"))
+roots_dropped = False
+"""True once :func:`configure` set a sampler up that drops every trace begun here:
+only the requests that continue a caller's trace get a span then."""
 _METHODS = frozenset(
     ("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH")
 )
@@ -105,6 +112,8 @@ def configure(environ: Mapping[str, str] = os.environ) -> Callable[[], None] | N
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: "dedup"}))
     provider = TracerProvider(resource=resource)  # its sampler: OTEL_TRACES_SAMPLER
+    global roots_dropped
+    roots_dropped = environ.get("OTEL_TRACES_SAMPLER", "").strip().lower() in _DROP_ROOTS
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
@@ -137,29 +146,90 @@ def _host_port(host: str) -> tuple[str, int | None]:
     return name.strip("[]"), int(port) if port.isdigit() else None
 
 
-def server_span(tracer: Tracer, request: Request, route: str | None) -> Span:
-    """A started SERVER span for ``request`` (``route``: its known path, else None),
-    begun when its head began, the child of an incoming ``traceparent``."""
-    from opentelemetry.propagate import extract
-    from opentelemetry.trace import SpanKind
+# Made once per (method, route) of the service's own paths: a span's name and the
+# attributes given at its start (for the sampler), shared by every request that has them.
+_NAMED: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+# The global propagator, and the header names it reads (a request with none of them has
+# nothing to extract: the usual request costs no call of the propagator).
+_PROPAGATOR: tuple[Any, frozenset[str]] = (None, frozenset())
 
-    headers = request.headers
+
+def _name_and_attributes(request: Request, route: str | None) -> tuple[str, dict[str, Any]]:
     method = request.method if request.method in _METHODS else "_OTHER"
+    if route is not None:
+        named = _NAMED.get((method, route))
+        if named is not None:
+            return named
     name = method if method != "_OTHER" else "HTTP"
     attributes: dict[str, Any] = {
         "http.request.method": method,
         "url.path": request.path,
         "url.scheme": "http",
     }
+    if method == "_OTHER":
+        attributes["http.request.method_original"] = request.method
+    elif route is not None:  # _OTHER's original method varies: not kept
+        attributes["http.route"] = route
+        _NAMED[(method, route)] = (f"{name} {route}", attributes)
+        return _NAMED[(method, route)]
     if route is not None:
         name = f"{name} {route}"
         attributes["http.route"] = route
-    if method == "_OTHER":
-        attributes["http.request.method_original"] = request.method
+    return name, attributes
+
+
+# The API's modules, imported at the first span (never while tracing is off).
+_propagate: Any = None
+_SERVER: Any = None  # SpanKind.SERVER
+
+
+def _load() -> None:
+    global _propagate, _SERVER
+    from opentelemetry import propagate
+    from opentelemetry.trace import SpanKind
+
+    _propagate, _SERVER = propagate, SpanKind.SERVER
+
+
+def _fields() -> frozenset[str]:
+    """The header names the global propagator reads (``traceparent``, ``tracestate``,
+    ``baggage`` by default), kept while the propagator stays the same."""
+    global _PROPAGATOR
+    if _propagate is None:
+        _load()
+    propagator = _propagate.get_global_textmap()
+    if _PROPAGATOR[0] is not propagator:
+        _PROPAGATOR = (propagator, frozenset(field.lower() for field in propagator.fields))
+    return _PROPAGATOR[1]
+
+
+def continues_a_trace(headers: Mapping[str, str]) -> bool:
+    """Whether a request gets a span: always, unless the sampler drops every trace
+    begun here (:data:`roots_dropped`); then only when it brings its caller's."""
+    if not roots_dropped:
+        return True
+    return any(field in headers for field in _fields())
+
+
+def _parent(headers: Mapping[str, str]) -> Any:
+    """The context of the caller's span (a W3C ``traceparent`` with the default
+    propagators), or None (a trace of its own) when no header the propagator reads is here."""
+    for field in _fields():
+        if field in headers:
+            return _propagate.extract(headers)
+    return None
+
+
+def server_span(tracer: Tracer, request: Request, route: str | None) -> Span:
+    """A started SERVER span for ``request`` (``route``: its known path, else None),
+    begun when its head began, the child of an incoming ``traceparent``."""
+    if _SERVER is None:
+        _load()
+    name, attributes = _name_and_attributes(request, route)
     return tracer.start_span(
         name,
-        context=extract(headers),
-        kind=SpanKind.SERVER,
+        context=_parent(request.headers),
+        kind=_SERVER,
         attributes=attributes,
         start_time=_start_ns(request),
         record_exception=False,
