@@ -31,17 +31,24 @@ ROOT = Path(__file__).resolve().parent.parent
 LINE_S = 90.0
 
 
-def _spawn(children: list[subprocess.Popen[str]], job: dict[str, Any]) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.forget_child", json.dumps(job)],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    children.append(proc)
-    assert read_line(proc, LINE_S) == "READY"
-    return proc
+def _spawn(
+    children: list[subprocess.Popen[str]], job: dict[str, Any], count: int = 1
+) -> list[subprocess.Popen[str]]:
+    """``count`` children of ``job``, started together, once each is READY."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.forget_child", json.dumps(job)],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(count)
+    ]
+    children += procs
+    for proc in procs:
+        assert read_line(proc, LINE_S) == "READY"
+    return procs
 
 
 def _send(proc: subprocess.Popen[str], command: dict[str, Any]) -> None:
@@ -102,7 +109,8 @@ async def test_a_forgotten_value_saves_again_once(
     ):
         assert (await a.save("email", value)).created
         assert (await a.save("email", value)).source == "local"
-        b = _spawn(children, {"redis_url": redis_url, "database_url": pg_url, "options": options})
+        job = {"redis_url": redis_url, "database_url": pg_url, "options": options}
+        (b,) = _spawn(children, job)
         _send(b, {"op": "save", "values": [value, value]})
         (_, created_first, _), _ = await _answer(b)
         assert created_first is False
@@ -125,19 +133,28 @@ async def test_a_forgotten_value_saves_again_once(
     _quit(children)
 
 
+RACE_DELETES = 8
+"""Rows a forget race test deletes under the savers before it stops them: two or three
+rounds of forgets (each waits FORGET_WAIT_S), every deleted value created again by the
+savers within the next round."""
+RACE_CAP_S = 60.0
+"""Bound of a forget race test's stream, should the deletes never come."""
+
+
 async def _forget_loop(
-    gw: Gateway, values: list[str], until: float, seed: int
+    gw: Gateway, values: list[str], deletes: int, until: float, seed: int
 ) -> list[tuple[str, float, float, bool]]:
-    """Forget random handfuls of ``values`` until ``until``: (value, start, end, deleted)."""
+    """Forget random handfuls of ``values`` until ``deletes`` rows were deleted (or
+    ``until`` passed): (value, start, end, deleted)."""
     rng = random.Random(seed)
     done: list[tuple[str, float, float, bool]] = []
-    while time.monotonic() < until:
+    while sum(1 for f in done if f[3]) < deletes and time.monotonic() < until:
+        await asyncio.sleep(rng.random() * 0.2)
         chosen = rng.sample(values, 4)
         start = time.monotonic()
         results = await gw.forget_many([("email", v) for v in chosen])
         end = time.monotonic()
         done += [(v, start, end, r) for v, r in zip(chosen, results, strict=True)]
-        await asyncio.sleep(rng.random() * 0.2)
     return done
 
 
@@ -146,15 +163,21 @@ async def _forgets_during_saves(
     pg_url: str,
     children: list[subprocess.Popen[str]],
     options: dict[str, Any],
-    seconds: float = 5.0,
 ) -> None:
     values = [f"v{i}@example.com" for i in range(30)]
     job = {"redis_url": redis_url, "database_url": pg_url, "options": options}
     async with Gateway(redis_url, pg_url, **options) as forgetter:
-        savers = [_spawn(children, job) for _ in range(2)]
+        savers = _spawn(children, job, 2)
         for i, p in enumerate(savers):
-            _send(p, {"op": "stream", "values": values, "seconds": seconds, "seed": i})
-        forgets = await _forget_loop(forgetter, values, time.monotonic() + seconds - 0.5, 7)
+            stream = {"values": values, "seconds": RACE_CAP_S, "seed": i, "keep": "decisive"}
+            _send(p, {"op": "stream", **stream})
+        forgets = await _forget_loop(
+            forgetter, values, RACE_DELETES, time.monotonic() + RACE_CAP_S - 5, 7
+        )
+        for p in savers:
+            _send(p, {"op": "stop"})
+        # Each saver's errors, created=True answers and last save of each value: all
+        # that the checks below read (see tests.forget_child).
         saves = [record for p in savers for record in await _answer(p)]
         _quit(children)
         rows = await _rows(pg_url, values)
@@ -170,7 +193,7 @@ async def _forgets_during_saves(
     for value in values:  # the two end states: row and marker, or neither
         assert (states[value] == "S") == (value in rows), (value, states[value])
     # The race happened: rows were deleted under the savers, and created again.
-    assert sum(1 for f in forgets if f[3]) >= 5
+    assert sum(1 for f in forgets if f[3]) >= RACE_DELETES
     assert sum(1 for s in saves if s[3]) > len(values)
 
 
@@ -223,7 +246,7 @@ async def test_prune_during_saves_loses_nothing_saved_after_its_cutoff(
             await conn.execute("UPDATE dedup_items SET created_at = now() - interval '40 days'")
         finally:
             await conn.close()
-        saver = _spawn(children, {"redis_url": redis_url, "database_url": pg_url})
+        (saver,) = _spawn(children, {"redis_url": redis_url, "database_url": pg_url})
         touched = new + old[:100]  # old values saved again while the prune runs
         _send(saver, {"op": "stream", "values": touched, "seconds": 3.0, "concurrency": 8})
         seen: list[tuple[int, int]] = []
