@@ -3,6 +3,7 @@ for tests; built on :class:`dedup.testing.servers.RedisServer`."""
 
 from __future__ import annotations
 
+import secrets
 import time
 from types import TracebackType
 from typing import Any, Self
@@ -17,10 +18,19 @@ __all__ = ["SERVICE", "RedisSentinelServers", "SentinelServer"]
 SERVICE = "mymaster"
 """The name the sentinels monitor the primary under."""
 
+_AT_ONCE = ("--repl-diskless-sync-delay", "0")
+"""A primary (or a replica, once promoted) syncs its replicas at once, not after the 5 s
+a diskless sync waits for more of them (Redis 7's default)."""
+
 
 class SentinelServer(RedisServer):
     """One ``redis-server --sentinel`` with a config file of its own (a sentinel rewrites
-    it), monitoring the primary at ``primary_port`` with a quorum of ``quorum``."""
+    it), monitoring the primary at ``primary_port`` with a quorum of ``quorum``.
+
+    Its run id is :attr:`myid`. :meth:`knows` writes the replicas and the other
+    sentinels into its config before it starts, as a sentinel records what it learnt:
+    it then starts knowing them rather than learning them from the primary's INFO and
+    the hello messages of the next seconds (it still checks them as it runs)."""
 
     _name = "redis-sentinel"
 
@@ -28,16 +38,29 @@ class SentinelServer(RedisServer):
         self, primary_port: int, *, quorum: int, down_after_ms: int, binary: str | None = None
     ) -> None:
         super().__init__(binary=binary)
+        self.myid = secrets.token_hex(20)
         self._conf = self.dir / "sentinel.conf"
         self._conf.write_text(
             f"port {self.port}\n"
             f"bind {HOST}\n"
             f"dir {self.dir}\n"
+            f"sentinel myid {self.myid}\n"
             f"sentinel monitor {SERVICE} {HOST} {primary_port} {quorum}\n"
             f"sentinel down-after-milliseconds {SERVICE} {down_after_ms}\n"
             f"sentinel failover-timeout {SERVICE} {max(3000, 4 * down_after_ms)}\n"
             f"sentinel parallel-syncs {SERVICE} 1\n"
         )
+
+    def knows(self, replicas: list[RedisServer], sentinels: list[SentinelServer]) -> None:
+        """Write ``replicas`` and the other ``sentinels`` into the config (before start)."""
+        with self._conf.open("a") as conf:
+            for replica in replicas:
+                conf.write(f"sentinel known-replica {SERVICE} {HOST} {replica.port}\n")
+            for other in sentinels:
+                if other is not self:
+                    conf.write(
+                        f"sentinel known-sentinel {SERVICE} {HOST} {other.port} {other.myid}\n"
+                    )
 
     def _argv(self) -> list[str]:
         return [self._binary, str(self._conf), "--sentinel", "--daemonize", "no"]
@@ -58,7 +81,7 @@ class RedisSentinelServers:
         down_after_ms: int = 1000,
         binary: str | None = None,
     ) -> None:
-        self.primary = RedisServer(binary=binary)
+        self.primary = RedisServer(binary=binary, extra_args=_AT_ONCE)
         self._binary = binary
         self._replicas = replicas
         self._sentinels = sentinels
@@ -116,7 +139,8 @@ class RedisSentinelServers:
             self.primary.start()
             for _ in range(self._replicas):
                 replica = RedisServer(
-                    binary=self._binary, extra_args=["--replicaof", HOST, str(self.primary.port)]
+                    binary=self._binary,
+                    extra_args=[*_AT_ONCE, "--replicaof", HOST, str(self.primary.port)],
                 )
                 self.replicas.append(replica)
                 replica.start()
@@ -129,6 +153,8 @@ class RedisSentinelServers:
                     binary=self._binary,
                 )
                 self.sentinels.append(sentinel)
+            for sentinel in self.sentinels:
+                sentinel.knows(self.replicas, self.sentinels)
                 sentinel.start()
             self._wait_ready()
         except BaseException:
