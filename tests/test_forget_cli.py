@@ -502,15 +502,21 @@ async def test_prune_progress_ctrl_c_and_resume(redis_url: str, pg_url: str) -> 
         )
         os.close(slave)
         slave = -1
-        try:
-            seen = await asyncio.to_thread(_read_until_progress, master, f"/{total:,}")
-            proc.send_signal(signal.SIGINT)
-            stdout, _ = await asyncio.to_thread(proc.communicate, None, RUN_TIMEOUT_S)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
-        seen += await asyncio.to_thread(_read_rest, master)
+        with proc:  # its pipe closed and the process reaped, whatever happens
+            try:
+                seen = await asyncio.to_thread(_read_until_progress, master, f"/{total:,}")
+                proc.send_signal(signal.SIGINT)
+                # The terminal is read until the child closes it: a child whose writes to
+                # a full terminal blocked would never get to handle the Ctrl-C.
+                rest, (stdout, _) = await asyncio.gather(
+                    asyncio.to_thread(_read_rest, master),
+                    asyncio.to_thread(proc.communicate, None, RUN_TIMEOUT_S),
+                )
+                seen += rest
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=30)
     finally:
         os.close(master)
         if slave >= 0:
@@ -554,19 +560,22 @@ def _read_until_progress(fd: int, marker: str) -> str:
 
 
 def _read_rest(fd: int) -> str:
-    """What is left to read on the terminal (the child has exited)."""
+    """What is left to read on the terminal, until the child exits and closes it (or
+    RUN_TIMEOUT_S passed)."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
     seen = ""
-    while True:
-        ready, _, _ = select.select([fd], [], [], 1.0)
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
         if not ready:
             return seen
         try:
             chunk = os.read(fd, 4096)
-        except OSError:
+        except OSError:  # EIO: no process holds the terminal any more
             return seen
         if not chunk:
             return seen
         seen += chunk.decode(errors="replace")
+    return seen
 
 
 def test_progress_bar_clears_its_line_for_a_log_record() -> None:
