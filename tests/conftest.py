@@ -5,6 +5,8 @@ Fixtures:
 * ``redis_server`` (session): one :class:`RedisServer` for the whole run.
 * ``redis_url`` (function): that server's URL, FLUSHALLed before the test.
 * ``fresh_redis`` (function): a private redis-server per test (kill/pause/restart it freely).
+* ``cluster_servers`` (function): a Redis Cluster (three primaries) shared by the session,
+  emptied before each test; kill nothing in it.
 * ``pg_cluster`` (session): one :class:`PostgresCluster` for the whole run.
 * ``pg_empty_url`` (function): URL of a new, empty database, dropped after the test.
 * ``pg_url`` (function): like ``pg_empty_url`` with ``dedup.store.migrate.upgrade(url)`` applied
@@ -48,7 +50,7 @@ import pytest
 import redis
 
 from dedup._redis.embedded import server_name, server_version
-from tests.servers import PostgresCluster, RedisServer, find_redis_server
+from tests.servers import PostgresCluster, RedisClusterServers, RedisServer, find_redis_server
 from tests.test_processes import Child
 
 MIGRATE_TIMEOUT = 30.0
@@ -124,6 +126,39 @@ def fresh_redis(_server_binary: str) -> Iterator[RedisServer]:
     """A private redis-server for this test only; stopped (SIGCONT, SIGTERM...) after it."""
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def _redis_clusters() -> Iterator[dict[str, RedisClusterServers]]:
+    """The session's Redis Clusters, one per binary, stopped at the end."""
+    clusters: dict[str, RedisClusterServers] = {}
+    try:
+        yield clusters
+    finally:
+        for cluster in clusters.values():
+            cluster.stop()
+
+
+@pytest.fixture
+def cluster_servers(
+    _redis_clusters: dict[str, RedisClusterServers], _server_binary: str
+) -> RedisClusterServers:
+    """A Redis Cluster of three primaries, no replicas, of this test's binary: one per
+    session, emptied before each test (FLUSHALL and SCRIPT FLUSH on every node, as a new
+    one would be). Tests that kill nodes or move slots start clusters of their own."""
+    cluster = _redis_clusters.get(_server_binary)
+    if cluster is not None and not (
+        all(node.is_alive() for node in cluster.nodes) and cluster.cluster_ok()
+    ):  # a test broke it by mistake: keep the rest going
+        cluster.stop()
+        cluster = None
+    if cluster is None:
+        cluster = RedisClusterServers(3, 0, node_timeout_ms=2000).start()
+        _redis_clusters[_server_binary] = cluster
+    for node in cluster.nodes:
+        cluster.command(node, "FLUSHALL")
+        cluster.command(node, "SCRIPT", "FLUSH")
+    return cluster
 
 
 # -------------------------------------------------------------------------- postgresql

@@ -25,17 +25,17 @@ from tests.servers import RedisClusterServers, RedisServer
 
 
 @pytest.fixture
-def cluster_servers() -> Iterator[RedisClusterServers]:
-    """Three primaries, no replicas (:class:`dedup.testing.servers.RedisClusterServers`)."""
+def own_cluster() -> Iterator[RedisClusterServers]:
+    """Three primaries, no replicas, for this test alone (it moves slots)."""
     with RedisClusterServers(3, 0, node_timeout_ms=2000) as servers:
         yield servers
 
 
 @pytest.fixture
-def cluster() -> Iterator[list[RedisServer]]:
-    """The three primaries' servers (the form tests/test_claims.py imports)."""
-    with RedisClusterServers(3, 0, node_timeout_ms=2000) as servers:
-        yield servers.nodes
+def cluster(cluster_servers: RedisClusterServers) -> list[RedisServer]:
+    """The three primaries' servers of the session's cluster (the form
+    tests/test_claims.py imports)."""
+    return cluster_servers.nodes
 
 
 def evalsha_calls(servers: RedisClusterServers) -> dict[int, int]:
@@ -122,14 +122,14 @@ def migrate(servers: RedisClusterServers, slot: int, source: RedisServer, *, fin
             servers.command(node, "CLUSTER", "SETSLOT", slot, "NODE", dst_id)
 
 
-async def test_slots_moved_under_a_stale_map(cluster_servers: RedisClusterServers) -> None:
+async def test_slots_moved_under_a_stale_map(own_cluster: RedisClusterServers) -> None:
     """Resharding after the client read the slot map. A slot handed over: the node's one
     call fails (a key it no longer serves), its slots go one by one, MOVED patches the
     map, the batch is retried, the answers stay right. A slot still migrating: a
     multi-key script there answers TRYAGAIN (Redis refuses it while the slot's keys are
     split), retried once, then raised as a RedisError (the engine goes degraded); once
     the slot is handed over the same batch succeeds."""
-    servers = cluster_servers
+    servers = own_cluster
     rc = RedisCluster(host="127.0.0.1", port=servers.nodes[0].port)
     try:
         space = KeySpace("dedup", cluster_shards=8)

@@ -13,7 +13,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -213,12 +213,6 @@ async def test_forgets_during_saves_with_shared_writes_and_a_secret(
     # the same subscription.
     options = {"shared_writes": "on", "shared_secret": "s" * 32}
     await _forgets_during_saves(redis_url, pg_url, children, options)
-
-
-@pytest.fixture
-def cluster_servers() -> Iterator[RedisClusterServers]:
-    with RedisClusterServers(3, 0, node_timeout_ms=2000) as servers:
-        yield servers
 
 
 @pytest.mark.redis6
