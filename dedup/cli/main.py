@@ -99,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workloads", help="zipf and/or uniform (default zipf,uniform)")
     bench.add_argument(
         "--strategies",
-        help="of textbook, redis-lock, db-only, dedup (default db-only,dedup; the first two "
-        "run in one process only)",
+        help="of textbook, redis-lock, db-only, db-plain, dedup (default db-only,dedup; the "
+        "first two run in one process only; db-plain checks db-only)",
     )
     bench.add_argument(
         "--rate",
