@@ -33,12 +33,13 @@ docs: setup-tests
 REDIS6 := .venv/redis-6.2/redis-server
 VALKEY := .venv/valkey-9.1/valkey-server
 
-# One run for all three servers, in parallel worker processes (pytest-xdist, one more than
-# the cores, at least 3 and at most 4), each with servers of its own: the tests wait more
+# One run for all three servers, in parallel worker processes (pytest-xdist, twice the
+# cores, at least 4 and at most 8), each with servers of its own: the tests wait more
 # than they work (a forget waits a second by design, failovers wait for the sentinels), so
-# a worker more than the cores keeps them busy; a worker that runs out of tests takes
-# queued ones from the others (worksteal) rather than wait for a long test's queue.
-PYTEST_WORKERS := $(shell n=$$(nproc 2>/dev/null || echo 2); n=$$((n + 1)); [ $$n -lt 3 ] && n=3; [ $$n -gt 4 ] && n=4; echo $$n)
+# on 2 cores 4 workers keep them busy; a worker that runs out
+# of tests takes queued ones from the others (worksteal) rather than wait for a long
+# test's queue.
+PYTEST_WORKERS := $(shell n=$$(nproc 2>/dev/null || echo 2); n=$$((2 * n)); [ $$n -lt 4 ] && n=4; [ $$n -gt 8 ] && n=8; echo $$n)
 
 test: lint docs
 	DEDUP_TEST_ALSO_ON=$(REDIS6):$(VALKEY) $(VENV)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal
