@@ -1,215 +1,237 @@
-"""Requests per second of a trivial handler with and without each idempotency
-middleware (dedup.asgi on Starlette/uvicorn, dedup.aiohttp, dedup.wsgi on Flask with
-a threading wsgiref server), in one run.
+"""Requests per second of each idempotency middleware on the server its users run, with
+the bare handler in the same run:
 
-    .venv/bin/python bench/middleware_bench.py [--seconds 3] [--concurrency 64] [--keys 200]
+- ``asgi``: Starlette on uvicorn (its defaults: uvloop, httptools), ``dedup.asgi``;
+- ``aiohttp``: aiohttp's own server (``web.run_app``), ``dedup.aiohttp``;
+- ``wsgi``: Flask on gunicorn's ``gthread`` worker, ``dedup.wsgi``.
 
-Starts its own redis-server and PostgreSQL (see dedup.testing.servers). Each server runs in a
-process of its own (one worker); this process offers the load with aiohttp, a
-closed loop of ``--concurrency`` requests in flight for ``--seconds``. Three
-workloads per framework:
+    .venv/bin/python bench/middleware_bench.py [--seconds 10] [--frameworks asgi,aiohttp,wsgi]
 
-- ``bare``: no middleware (the baseline);
-- ``new``: the middleware, every request a new Idempotency-Key (claim, read of the
-  key's row, handler, INSERT of the response, commit; each shared with the requests
-  in flight at the time, so ``--concurrency`` decides how much they share);
-- ``replay``: the middleware, keys from a pool of ``--keys`` answered once
-  beforehand, so every request is a replay (from the middleware's replay cache).
+The apps are bench/middleware_apps.py: a handler that reads the body and answers a constant
+201. One app process (one worker), wrk with one thread and ``--connections`` (64)
+connections. Three workloads per framework, each against a fresh server:
 
-Printed: requests/s per workload and its ratio to ``bare`` of the same framework.
-Not a test: figures depend on the machine and on what else runs on it.
+- ``bare``: no middleware (the baseline), the same requests;
+- ``new``: the middleware, a fresh Idempotency-Key on every request;
+- ``replay``: the middleware, keys from a pool of ``--keys`` (1,000) answered once
+  beforehand, so every request is a replay.
+
+Printed: requests/s, the ratio to ``bare`` of the same framework, and the app process's
+CPU time per request (its user + system time over the measured run). Starts its own
+redis-server and PostgreSQL (durable defaults); needs wrk and gunicorn
+(``apt install wrk``, ``pip install gunicorn``). Not a test: figures depend on the machine
+and on what else runs on it. ``--root`` serves another checkout's dedup (before/after).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import itertools
-import multiprocessing
+import os
+import re
+import shutil
+import socket
+import subprocess
 import sys
-import threading
+import tempfile
 import time
 import uuid
+from http.client import HTTPConnection
 from pathlib import Path
-from typing import Any
 
-import aiohttp
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dedup.store.migrate import upgrade
-from dedup.testing.servers import PostgresCluster, RedisServer
+from dedup.store.migrate import upgrade  # noqa: E402
+from dedup.testing.servers import PostgresCluster, RedisServer  # noqa: E402
 
 FRAMEWORKS = ("asgi", "aiohttp", "wsgi")
-_BODY = b'{"ok":true}'
+WORKLOADS = ("bare", "new", "replay")
+
+# wrk's script: POST /t with a body; an Idempotency-Key from the pool given as arguments
+# (``replay``: cycled), else a new one per request (``<run id>-<counter>``).
+_WRK_SCRIPT = """
+local pool, n, prefix, counter = nil, 0, "", 0
+function init(args)
+  prefix = args[1]
+  if args[2] ~= nil then
+    pool = {}
+    for i = 0, tonumber(args[2]) - 1 do pool[i + 1] = "k" .. i end
+    n = #pool
+  end
+end
+function request()
+  counter = counter + 1
+  local key
+  if pool then key = pool[(counter % n) + 1] else key = prefix .. "-" .. counter end
+  return wrk.format("POST", "/t",
+    {["Idempotency-Key"] = key, ["Content-Type"] = "application/json"}, '{"e":1}')
+end
+"""
 
 
-def _serve(framework: str, redis_url: str, pg_url: str, guarded: bool, kind: str, out: Any) -> None:
-    """The server process: a trivial POST /t behind the middleware (or not)."""
-    asyncio.run(_serve_async(framework, redis_url, pg_url, guarded, kind, out))
-
-
-async def _serve_async(
-    framework: str, redis_url: str, pg_url: str, guarded: bool, kind: str, out: Any
-) -> None:
-    import socket
-
-    from dedup import Gateway, SyncGateway
-
-    stop = asyncio.Event()
-    if framework == "aiohttp":
-        from aiohttp import web
-
-        import dedup.aiohttp
-
-        gw = Gateway(redis_url, pg_url)
-
-        async def handler(request: web.Request) -> web.Response:
-            await request.read()
-            return web.Response(status=201, body=_BODY, content_type="application/json")
-
-        mws = [dedup.aiohttp.middleware(gw, kind=kind)] if guarded else []
-        app = web.Application(middlewares=mws)
-        app.router.add_post("/t", handler)
-        async with gw:
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-            out.put(f"http://127.0.0.1:{runner.addresses[0][1]}")
-            await stop.wait()
-    elif framework == "asgi":
-        import uvicorn
-        from starlette.applications import Starlette
-        from starlette.middleware import Middleware
-        from starlette.requests import Request
-        from starlette.responses import Response
-        from starlette.routing import Route
-
-        import dedup.asgi
-
-        gw = Gateway(redis_url, pg_url)
-
-        async def endpoint(request: Request) -> Response:
-            await request.body()
-            return Response(_BODY, status_code=201, media_type="application/json")
-
-        mw = [Middleware(dedup.asgi.DedupMiddleware, gateway=gw, kind=kind)] if guarded else []
-        asgi_app = Starlette(routes=[Route("/t", endpoint, methods=["POST"])], middleware=mw)
-        sock = socket.socket()
-        # Inherited by the accepted sockets: without it h11's separate writes of head
-        # and body meet the client's delayed ACK (~40 ms a request).
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+def _free_port() -> int:
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        config = uvicorn.Config(asgi_app, log_level="warning", access_log=False, http="h11")
-        server = uvicorn.Server(config)
-        async with gw:
-            task = asyncio.create_task(server.serve(sockets=[sock]))
-            while not server.started:  # noqa: ASYNC110  (uvicorn offers a flag, no event)
-                await asyncio.sleep(0.01)
-            out.put(f"http://127.0.0.1:{sock.getsockname()[1]}")
-            await task
-    else:
-        from socketserver import ThreadingMixIn
-        from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+        return int(sock.getsockname()[1])
 
-        from flask import Flask
-        from flask import Response as FlaskResponse
-        from flask import request as flask_request
 
-        import dedup.wsgi
+def _command(framework: str, port: int, threads: int) -> list[str]:
+    python = sys.executable
+    if framework == "asgi":
+        return [python, "-m", "uvicorn", "--factory", "bench.middleware_apps:asgi_app",
+                "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
+                "--log-level", "warning"]  # fmt: skip
+    if framework == "aiohttp":
+        return [python, "-m", "bench.middleware_apps", "aiohttp", str(port)]
+    return [python, "-m", "gunicorn", "-k", "gthread", "--threads", str(threads), "-w", "1",
+            "-b", f"127.0.0.1:{port}", "--log-level", "warning",
+            "bench.middleware_apps:wsgi_app"]  # fmt: skip
 
-        class Server(ThreadingMixIn, WSGIServer):
-            daemon_threads = True
-            # socketserver's listen backlog is 5: past it a connection waits for the
-            # client's SYN retransmission (a second or more), so more than a few
-            # requests in flight would measure the backlog. Servers' own is larger.
-            request_queue_size = 1024
 
-        class Quiet(WSGIRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
+def _cpu_s(pid: int) -> float:
+    """User + system seconds of ``pid`` and its children alive now (gunicorn's worker)."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    pids = [pid]
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    if children.exists():
+        pids += [int(p) for p in children.read_text().split()]
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
-        flask = Flask("bench")
 
-        def view() -> FlaskResponse:
-            flask_request.get_data()
-            return FlaskResponse(_BODY, status=201, mimetype="application/json")
+def _post(conn: HTTPConnection, key: str | None) -> int:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Idempotency-Key"] = key
+    conn.request("POST", "/t", body=b'{"e":1}', headers=headers)
+    response = conn.getresponse()
+    response.read()
+    return response.status
 
-        flask.add_url_rule("/t", "t", view, methods=["POST"])
-        if guarded:
-            sync_gw = SyncGateway(redis_url, pg_url)
-            flask.wsgi_app = dedup.wsgi.DedupMiddleware(  # type: ignore[method-assign]
-                flask.wsgi_app, gateway=sync_gw, kind=kind
+
+def _wait_ready(port: int, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the app exited with {proc.returncode}")
+        conn = HTTPConnection("127.0.0.1", port, timeout=5)
+        try:
+            if _post(conn, None) == 201:
+                return
+        except OSError:
+            pass
+        finally:
+            conn.close()
+        time.sleep(0.1)
+    raise RuntimeError("the app did not answer within 60 s")
+
+
+def _wrk(base: str, script: str, seconds: int, connections: int, args: list[str]) -> float:
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", script, f"{base}/t", "--", *args],
+        capture_output=True,
+        text=True,
+        timeout=seconds + 60,
+        check=True,
+    ).stdout
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    errors = re.search(r"Socket errors: (.*)", out)
+    if bad or errors:
+        raise RuntimeError(f"wrk saw failed requests:\n{out}")
+    return float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+
+
+def _run_one(
+    framework: str, workload: str, env: dict[str, str], args: argparse.Namespace, script: str
+) -> tuple[float, float]:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(_command(framework, port, args.wsgi_threads), env=env, cwd=args.root)
+    try:
+        _wait_ready(port, proc)
+        wrk_args = [uuid.uuid4().hex]
+        if workload == "replay":
+            wrk_args.append(str(args.keys))
+            conn = HTTPConnection("127.0.0.1", port, timeout=30)
+            try:
+                for i in range(args.keys):  # each key answered once: the run only replays
+                    if _post(conn, f"k{i}") != 201:
+                        raise RuntimeError("a key's first request was not answered 201")
+            finally:
+                conn.close()
+        _wrk(base, script, 2, args.connections, [f"w{wrk_args[0]}", *wrk_args[1:]])  # warm-up
+        profiler = None
+        if args.profile:  # py-spy on the app (gunicorn's worker) during the measured run
+            target = proc.pid
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            target = int(children[0]) if framework == "wsgi" and children else target
+            out = Path(args.profile) / f"{framework}-{workload}.txt"
+            spy = str(Path(sys.executable).parent / "py-spy")
+            command = [spy, "record", "--format", "raw", "-r", "200", "-p", str(target)]
+            profiler = subprocess.Popen(
+                [*command, "-d", str(args.seconds), "-o", str(out)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
-        wsgi = make_server("127.0.0.1", 0, flask, server_class=Server, handler_class=Quiet)
-        threading.Thread(target=wsgi.serve_forever, daemon=True).start()
-        out.put(f"http://127.0.0.1:{wsgi.server_port}")
-        await stop.wait()
-
-
-async def _load(base: str, keys: list[str] | None, seconds: float, concurrency: int) -> float:
-    """Requests per second of a closed loop; ``keys`` None: a new key per request."""
-    done = 0
-    cycle = itertools.cycle(keys) if keys else None
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
-
-        async def one() -> None:
-            key = next(cycle) if cycle is not None else uuid.uuid4().hex
-            headers = {"Idempotency-Key": key}
-            async with session.post(f"{base}/t", data=b'{"e":1}', headers=headers) as r:
-                await r.read()
-                if r.status != 201:
-                    raise RuntimeError(f"unexpected status {r.status}")
-
-        if keys:  # answer each key once, so the measured requests are replays
-            await asyncio.gather(*(one() for _ in keys))
-        await asyncio.gather(*(one() for _ in range(concurrency)))  # warm up
-        stop_at = time.perf_counter() + seconds
-
-        async def worker() -> None:
-            nonlocal done
-            while time.perf_counter() < stop_at:
-                await one()
-                done += 1
-
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return done / (time.perf_counter() - started)
+        before = _cpu_s(proc.pid)
+        rate = _wrk(base, script, args.seconds, args.connections, wrk_args)
+        if profiler is not None:
+            profiler.wait(60)
+        cpu_us = (_cpu_s(proc.pid) - before) / (rate * args.seconds) * 1e6
+        return rate, cpu_us
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--concurrency", type=int, default=64)  # as the HTTP benchmarks
-    parser.add_argument("--keys", type=int, default=200)
+    parser.add_argument("--seconds", type=int, default=10)
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--keys", type=int, default=1000)
     parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--wsgi-threads", type=int, default=32, help="gunicorn --threads")
+    parser.add_argument("--root", default=str(ROOT), help="the checkout whose dedup is served")
+    parser.add_argument(
+        "--profile", metavar="DIR", help="py-spy the app during each run (collapsed stacks)"
+    )
     args = parser.parse_args()
-    ctx = multiprocessing.get_context("spawn")
-    with RedisServer() as redis_server, PostgresCluster() as pg:
-        pg_url = pg.create_database("middleware_bench")
-        upgrade(pg_url)
-        print(f"{'framework':<10}{'workload':<10}{'req/s':>10}{'x bare':>9}")
+    for tool in ("wrk",):
+        if shutil.which(tool) is None:
+            sys.exit(f"{tool} is needed: apt install {tool}")
+    with tempfile.TemporaryDirectory() as tmp, RedisServer() as redis, PostgresCluster() as pg:
+        script = str(Path(tmp) / "keys.lua")
+        Path(script).write_text(_WRK_SCRIPT)
+        db_url = pg.create_database("middleware_bench")
+        upgrade(db_url)
+        print(f"{'framework':<10}{'workload':<10}{'req/s':>10}{'x bare':>9}{'CPU us/req':>12}")
         for n, framework in enumerate(args.frameworks.split(",")):
-            bare = 0.0
-            for workload in ("bare", "new", "replay"):
-                out = ctx.Queue()
-                kind = f"bench{n}{workload}"
-                proc = ctx.Process(
-                    target=_serve,
-                    args=(framework, redis_server.url, pg_url, workload != "bare", kind, out),
-                    daemon=True,
-                )
-                proc.start()
-                try:
-                    base = out.get(timeout=60)
-                    keys = [f"k{i}" for i in range(args.keys)] if workload == "replay" else None
-                    rate = asyncio.run(_load(base, keys, args.seconds, args.concurrency))
-                finally:
-                    proc.terminate()
-                    proc.join(30)
+            bare = None
+            for workload in args.workloads.split(","):
+                env = {
+                    **os.environ,
+                    "PYTHONPATH": f"{args.root}{os.pathsep}{ROOT}",
+                    "DEDUP_BENCH_REDIS": redis.url,
+                    "DEDUP_BENCH_DATABASE": db_url,
+                    "DEDUP_BENCH_GUARDED": "0" if workload == "bare" else "1",
+                    "DEDUP_BENCH_KIND": f"b{n}{workload}{uuid.uuid4().hex[:8]}",
+                }
+                rate, cpu_us = _run_one(framework, workload, env, args, script)
                 bare = rate if workload == "bare" else bare
-                print(f"{framework:<10}{workload:<10}{rate:>10.0f}{rate / bare:>9.2f}", flush=True)
+                ratio = f"{rate / bare:>9.2f}" if bare else f"{'':>9}"
+                line = f"{framework:<10}{workload:<10}{rate:>10.0f}{ratio}{cpu_us:>12.0f}"
+                print(line, flush=True)
 
 
 if __name__ == "__main__":

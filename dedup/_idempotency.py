@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict
 import orjson
 
 from dedup._engine.once import Lease, begin
-from dedup._values import validate_kind, validate_value
+from dedup._values import encode_payload, validate_kind, validate_value
 from dedup.errors import DedupError, InvalidInput, Unavailable, WaitTimeout
 from dedup.urls import redact
 
@@ -673,6 +673,16 @@ class Idempotency:
         """The response headers that are stored: Content-Type, Location, ``replay_headers``."""
         return tuple((n, v) for n, v in headers if n.lower() in self.replay_headers)
 
+    def kept_raw(self, headers: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[str, str], ...]:
+        """:meth:`kept` of headers as bytes (ASGI's), decoded as latin-1: only the kept
+        ones are decoded."""
+        kept = self.replay_headers
+        return tuple(
+            (name, bytes(v).decode("latin-1"))
+            for n, v in headers
+            if (name := bytes(n).decode("latin-1")).lower() in kept
+        )
+
     async def settle(
         self,
         gateway: Gateway,
@@ -690,24 +700,28 @@ class Idempotency:
             await lease.fail()
             return
         kept = self.kept(headers)
-        record = self._record(status, kept, body, fingerprint)
         limit = gateway._parts().limits.max_payload_bytes
-        # JSON escapes a byte into 6 characters at most (base64 takes 4 for 3): a body
-        # far below the limit needs no trial encoding, which finish() does again.
-        if body is not None and (
-            6 * len(body) + sum(len(n) + len(v) for n, v in kept) + 512 > limit
-            and len(orjson.dumps(record)) > limit
-        ):
+        payload = orjson.dumps(self._record(status, kept, body, fingerprint))
+        if len(payload) > limit and body is not None:
             # The body does not fit the Gateway's payload limit: status and headers only.
-            record = self._record(status, kept, None, fingerprint)
+            body = None
+            payload = orjson.dumps(self._record(status, kept, body, fingerprint))
         try:
-            stored = await lease.finish(record)
+            if len(payload) > limit or b"\\u0000" in payload:
+                # Headers past the limit, or a NUL jsonb refuses: encode_payload says which.
+                encode_payload(orjson.loads(payload), gateway._parts().limits)
+            stored = await lease.store(payload.decode())
         except DedupError as exc:
             # The lease is released: the key stays unsaved and a retry runs again.
+            await lease.fail()
             log.warning("could not store the response of a request key (a %d): %r", status, exc)
             return
-        # The row's payload: this record, or the one of a runner that wrote first.
-        decoded = _decode(stored) if self.mode == "replay" else None
+        decoded: _Record = None
+        if self.mode == "replay":
+            # This record, as a reader of the row decodes it; or the one of a runner that
+            # wrote first.
+            first = Response(status, kept, body)
+            decoded = (fingerprint, first) if stored is None else _decode(orjson.loads(stored))
         self.remember(gateway, lease.value, decoded, lease.digest)
 
     def _record(
@@ -723,7 +737,7 @@ class Idempotency:
             "v": _RECORD_VERSION,
             "fp": fingerprint,
             "status": status,
-            "headers": [list(h) for h in headers],
+            "headers": headers,  # pairs, as JSON arrays
             **_encode_body(body),
         }
 

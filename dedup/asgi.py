@@ -135,7 +135,8 @@ class DedupMiddleware:
         lease: Lease,
         fingerprint: str | None,
     ) -> None:
-        capture = Capture(self.rules.max_response_bytes)
+        rules = self.rules
+        capture = Capture(rules.max_response_bytes)
         held: Message | None = None
         settled = False
 
@@ -152,11 +153,7 @@ class DedupMiddleware:
             nonlocal held
             kind = message["type"]
             if kind == "http.response.start":
-                headers = (
-                    (bytes(n).decode("latin-1"), bytes(v).decode("latin-1"))
-                    for n, v in message.get("headers", ())
-                )
-                capture.start(int(message["status"]), headers)
+                capture.start(int(message["status"]), rules.kept_raw(message.get("headers", ())))
             elif kind == "http.response.body":
                 capture.add(bytes(message.get("body", b"")))
                 if not message.get("more_body", False):

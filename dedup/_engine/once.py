@@ -82,35 +82,49 @@ _MAX_POLL_S = 0.2
 # Redis calls that found the Gateway's pool full are retried this often, this far apart.
 _POOL_RETRIES = 50
 _POOL_RETRY_S = 0.005
+# Calls of a combined run-once batch (claim and read, write and mark) in flight at once.
+_LANES = 4
 
 
 class _Batched(Generic[_K, _A]):
     """One kind of call for one Gateway, batched: every key asked for while a call is in
-    flight goes in the next call, one call at a time (so a batch grows with the load,
-    as the engine's claim and write queues do). Batchers given the same ``gate`` take
-    turns too: the Gateway's Redis pool is sized for its own stages and raises rather
-    than waits past its size, so the Redis batchers take one connection at most, and
-    retry for a moment when none is free. The database batchers need no gate: the
-    sink's pool waits for a free connection."""
+    flight goes in a next call (so a batch grows with the load, as the engine's claim and
+    write queues do). Up to ``lanes`` calls are in flight at once: while one waits for its
+    server, the next batch's callers go on, so that the process's CPU and the round trips
+    overlap rather than take turns. A lane that finishes its call takes the keys waiting.
 
-    __slots__ = ("_gate", "_run", "_sender", "_waiting")
+    Batchers given the same ``gate`` take turns too: the Gateway's Redis pool is sized
+    for its own stages and raises rather than waits past its size, so the Redis batchers
+    take one connection at most, and retry for a moment when none is free. The database
+    batchers need no gate: the sink's pool waits for a free connection."""
+
+    __slots__ = ("_busy", "_gate", "_gathering", "_lanes", "_run", "_tasks", "_waiting")
 
     def __init__(
         self,
         run: Callable[[list[_K]], Awaitable[list[_A]]],
         gate: asyncio.Semaphore | None = None,
+        lanes: int = 1,
     ) -> None:
         self._run = run
         self._gate = gate
+        self._lanes = lanes
         self._waiting: dict[_K, list[asyncio.Future[_A]]] = {}
-        self._sender: asyncio.Task[None] | None = None
+        self._busy = 0  # lanes with a task
+        self._tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
+        self._gathering = False  # a lane's task waits for this tick's callers
 
     async def __call__(self, key: _K) -> _A:
         """The call's answer for ``key``; raises what the call raised."""
-        fut: asyncio.Future[_A] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[_A] = loop.create_future()
         self._waiting.setdefault(key, []).append(fut)
-        if self._sender is None:
-            self._sender = asyncio.get_running_loop().create_task(self._drain())
+        if not self._gathering and self._busy < self._lanes:
+            self._gathering = True
+            self._busy += 1
+            task = loop.create_task(self._drain())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         return await fut
 
     async def _call(self, keys: list[_K]) -> list[_A]:
@@ -131,8 +145,10 @@ class _Batched(Generic[_K, _A]):
 
     async def _drain(self) -> None:
         batch: dict[_K, list[asyncio.Future[_A]]] = {}
+        gathering = True
         try:
-            await asyncio.sleep(0)  # the callers of this tick join the first call
+            await asyncio.sleep(0)  # the callers of this tick join this call
+            self._gathering = gathering = False
             while self._waiting:
                 batch, self._waiting = self._waiting, {}
                 try:
@@ -147,8 +163,11 @@ class _Batched(Generic[_K, _A]):
                     for fut in futs:
                         if not fut.done():
                             fut.set_result(answer)
+                batch = {}
         finally:
-            self._sender = None
+            self._busy -= 1
+            if gathering:
+                self._gathering = False
             # Cancelled (the loop is closing): nobody answers the rest, so say so.
             for waiting in (batch, self._waiting):
                 for futs in waiting.values():
@@ -173,9 +192,16 @@ class RunOnceState:
     Redis scripts of concurrent runs; ``fetch`` batches their row reads (one
     ``SELECT`` a batch) and ``write`` their rows (one key-sorted ``INSERT`` a batch,
     as the write stage's), so that N concurrent runs cost a few statements, not 2N.
+
+    The two steps of a new value's run go as two batches: ``claim_read`` claims a
+    batch and reads the rows of the claims won (or found saved) in one go, and
+    ``store`` writes a batch of leases' rows and marks them saved. Each caller waits
+    once for each, not once per round trip: a run's CPU, not its round trips, is what
+    a busy process pays for.
     """
 
-    __slots__ = ("abort", "claim", "commit", "fetch", "reclaim", "running", "write")
+    __slots__ = ("abort", "claim", "claim_read", "commit", "fetch", "leases", "reclaim",
+                 "renewer", "running", "store", "write")  # fmt: skip
 
     def __init__(self, parts: EngineParts) -> None:
         claims = parts.claims.under_own_token()
@@ -197,12 +223,7 @@ class RunOnceState:
             return list(await claims.reclaim(keys))
 
         async def fetch(keys: list[tuple[str, bytes]]) -> list[tuple[bool, str | None]]:
-            sink = _default_sink(parts)
-            try:
-                found = await asyncio.wait_for(sink.fetch_many(keys), parts.write_timeout_s)
-            except Exception:
-                stats.db_errors += 1
-                raise
+            found = await fetch_rows(keys)
             return [(key in found, found.get(key)) for key in keys]
 
         async def write(rows: list[Row]) -> list[bool]:
@@ -224,13 +245,117 @@ class RunOnceState:
                 for row in rows
             ]
 
+        async def redis(call: Callable[[list[bytes]], Awaitable[Any]], keys: list[bytes]) -> Any:
+            # The Redis step of a combined batch: gated and retried as _Batched does.
+            async with gate:
+                for _ in range(_POOL_RETRIES):
+                    try:
+                        return await call(keys)
+                    except MaxConnectionsError:
+                        await asyncio.sleep(_POOL_RETRY_S)
+                return await call(keys)
+
+        async def claim_read(
+            keys: list[tuple[bytes, str, bytes]],
+        ) -> list[tuple[str, bool, str | None]]:
+            try:
+                letters = await redis(claims.claim, [key for key, _, _ in keys])
+            except (RedisError, OSError) as exc:
+                stats.redis_errors += 1
+                raise Unavailable(f"Redis failed a claim: {exc!r}", component="redis") from None
+            pairs = list(zip(keys, letters, strict=True))
+            wanted = [(kind, digest) for (_, kind, digest), x in pairs if x != "B"]
+            found: dict[tuple[str, bytes], str | None] = {}
+            if wanted:
+                try:
+                    found = await fetch_rows(wanted)
+                except Exception as exc:
+                    # The claims won are released: nobody here will run them.
+                    won = [key for (key, _, _), x in pairs if x == "W"]
+                    if won:
+                        with contextlib.suppress(RedisError, OSError):
+                            await redis(claims.abort, won)
+                    raise Unavailable(
+                        f"the database read failed: {exc!r}", component="database"
+                    ) from None
+            return [
+                (x, (kind, digest) in found, found.get((kind, digest)))
+                for (_, kind, digest), x in pairs
+            ]
+
+        async def store(leases: list[Lease]) -> list[str | None]:
+            try:
+                inserted = await write([lease.row() for lease in leases])
+                outcomes = list(zip(leases, inserted, strict=True))
+                lost = [(lease.kind, lease.digest) for lease, ok in outcomes if not ok]
+                # Another runner wrote first (a lease lost while paused): its row's payload.
+                found = await fetch_rows(lost) if lost else {}
+            except (DedupError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                raise Unavailable(
+                    f"the database write failed: {exc!r}", component="database"
+                ) from None
+            for lease in leases:  # no renewal after the commit: it would find them saved
+                self.let_go(lease)
+            try:
+                await redis(claims.commit, [lease.key for lease in leases])
+            except (RedisError, OSError) as exc:
+                # The rows are durable; a missing marker only costs the next caller a read.
+                stats.redis_errors += 1
+                log.warning("could not mark run-once values saved: %r", exc)
+            return [
+                None if ok else (found.get((lease.kind, lease.digest)) or "null")
+                for lease, ok in outcomes
+            ]
+
+        async def fetch_rows(keys: list[tuple[str, bytes]]) -> dict[tuple[str, bytes], str | None]:
+            sink = _default_sink(parts)
+            try:
+                return await asyncio.wait_for(sink.fetch_many(keys), parts.write_timeout_s)
+            except Exception:
+                stats.db_errors += 1
+                raise
+
         self.running: dict[bytes, asyncio.Future[None]] = {}
+        # The live leases (each with the loop time it was taken), renewed together by one
+        # task while there are any: a task per lease would cost every run a task
+        # created and cancelled, though most runs end long before their first renewal.
+        self.leases: dict[Lease, float] = {}
+        self.renewer: asyncio.Task[None] | None = None
         self.claim = _Batched(claim, gate)
         self.commit = _Batched(commit, gate)
         self.abort = _Batched(abort, gate)
         self.reclaim = _Batched(reclaim, gate)
         self.fetch = _Batched(fetch)
         self.write = _Batched(write)
+        self.claim_read = _Batched(claim_read, lanes=_LANES)
+        self.store = _Batched(store, lanes=_LANES)
+
+    def hold(self, lease: Lease, period_s: float) -> None:
+        """Renew ``lease`` every ``period_s`` until it is let go (:meth:`let_go`)."""
+        loop = asyncio.get_running_loop()
+        self.leases[lease] = loop.time()
+        if self.renewer is None:
+            self.renewer = loop.create_task(self._renew(period_s), name="dedup-once-renewer")
+
+    def let_go(self, lease: Lease) -> bool:
+        """Stop renewing ``lease``; False if it was let go already."""
+        return self.leases.pop(lease, None) is not None
+
+    async def _renew(self, period_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self.leases:
+                await asyncio.sleep(period_s)
+                # A lease taken less than half a period ago has most of its time left: it
+                # is renewed at the next round, at most 1.5 periods (half the lease) old.
+                due_at = loop.time() - period_s / 2
+                due = [lease for lease, taken in self.leases.items() if taken <= due_at]
+                if due:
+                    await asyncio.gather(*(lease._renew() for lease in due))
+        finally:
+            self.renewer = None
 
 
 class RunOnceHost(Protocol):
@@ -317,16 +442,17 @@ def _release(
 class Lease:
     """A won claim on one value: the caller runs the work, then :meth:`finish` or :meth:`fail`.
 
-    A watchdog task re-claims the value every third of ``lease_ms`` (a re-claim of
-    a lease this Gateway holds extends it) until the lease is finished or failed. A
-    lease won over a stale saved marker (``reclaimed``) is renewed the way it was
-    taken, as a plain claim would keep answering "saved" for it.
+    The lease is re-claimed every third of ``lease_ms`` (a re-claim of a lease this
+    Gateway holds extends it; :meth:`RunOnceState.hold` renews every live lease of the
+    Gateway together) until it is finished or failed. A lease won over a stale saved
+    marker (``reclaimed``) is renewed the way it was taken, as a plain claim would keep
+    answering "saved" for it.
     If the lease was lost meanwhile (the process was paused past it and another
     runner took over), ``lost`` is True; the database's unique key still decides
     whose payload is stored.
     """
 
-    __slots__ = ("_done", "_parts", "_renewal", "_stamp", "_state", "_watchdog", "digest",
+    __slots__ = ("_done", "_parts", "_payload", "_renewal", "_stamp", "_state", "digest",
                  "key", "kind", "lost", "value")  # fmt: skip
 
     def __init__(
@@ -353,29 +479,27 @@ class Lease:
         # by the run's remembering it as saved (SavedCache.add).
         self._stamp = parts.local.stamp()
         self.lost = False
-        self._watchdog = asyncio.get_running_loop().create_task(
-            self._renew(), name="dedup-once-watchdog"
-        )
+        self._payload: str | None = None
+        state.hold(self, parts.lease_ms / 3000)
+
+    def row(self) -> Row:
+        """The row :meth:`store` writes."""
+        return Row(self.kind, self.digest, self.value, self._payload)
 
     async def _renew(self) -> None:
-        period_s = self._parts.lease_ms / 3000
-        while True:
-            await asyncio.sleep(period_s)
-            try:
-                letter = await self._renewal(self.key)
-            except (RedisError, OSError) as exc:
-                # One failed renewal is not yet a lost lease: two more chances remain.
-                log.warning("could not renew the lease of a run-once value: %r", exc)
-                continue
-            if letter != "W":
-                self.lost = True
-                log.warning("a run-once value's lease was lost while its function ran")
-                return
+        """One renewal (called by the state's renewer)."""
+        try:
+            letter = await self._renewal(self.key)
+        except (RedisError, OSError, DedupError) as exc:
+            # One failed renewal is not yet a lost lease: two more chances remain.
+            log.warning("could not renew the lease of a run-once value: %r", exc)
+            return
+        if letter != "W" and self._state.let_go(self):  # not finished meanwhile
+            self.lost = True
+            log.warning("a run-once value's lease was lost while its function ran")
 
-    async def _stop(self) -> None:
-        self._watchdog.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._watchdog
+    def _stop(self) -> None:
+        self._state.let_go(self)
 
     async def finish(self, result: Any) -> Any:
         """Store ``result`` (JSON-serialisable) as the row's payload, mark the value saved,
@@ -385,44 +509,34 @@ class Lease:
         On any failure (a payload that is not JSON, the database write) the lease is
         released and nothing is saved: the next call runs the work again.
         """
-        parts = self._parts
         try:
-            payload_json = encode_payload(result, parts.limits)
-            row = Row(self.kind, self.digest, self.value, payload_json)
-            try:
-                # With the rows of concurrent runs: one statement for all of them.
-                inserted = await self._state.write(row)
-            except (DedupError, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                raise Unavailable(
-                    f"the database write failed: {exc!r}", component="database"
-                ) from None
-            stored = payload_json
-            if not inserted:
-                # Another runner wrote first (this one was paused past its lease):
-                # the row's payload is the answer, for this caller too.
-                stored = (await _fetch(self._state, parts, self.kind, self.digest))[1]
+            payload_json = encode_payload(result, self._parts.limits)
         except BaseException:
             await self.fail()
             raise
+        stored = await self.store(payload_json)
+        return _decode(payload_json if stored is None else stored)
+
+    async def store(self, payload_json: str | None) -> str | None:
+        """:meth:`finish` for a payload already encoded (checked by the caller, as
+        :func:`~dedup._values.encode_payload` checks it): None when this run's row was
+        written, else the payload JSON of the row another runner wrote first."""
+        self._payload = payload_json
         try:
-            await self._stop()
-            try:
-                await self._state.commit(self.key)
-            except (RedisError, OSError) as exc:
-                # The row is durable; a missing marker only costs the next caller a read.
-                parts.stats.redis_errors += 1
-                log.warning("could not mark a run-once value saved: %r", exc)
-            parts.local.add(self.kind, self.digest, self._stamp)
-        finally:
-            _release(self._state.running, self.key, self._done)
-        return _decode(stored)
+            # With the rows of concurrent runs: one INSERT, then one script marking them saved.
+            stored = await self._state.store(self)
+        except BaseException:
+            await self.fail()
+            raise
+        self._stop()
+        self._parts.local.add(self.kind, self.digest, self._stamp)
+        _release(self._state.running, self.key, self._done)
+        return stored
 
     async def fail(self) -> None:
         """Release the lease without saving anything (safe to call twice)."""
         try:
-            await self._stop()
+            self._stop()
             if not self._done.done():
                 # Shielded: a cancelled caller still releases the lease rather than
                 # leaving it to expire.
@@ -495,10 +609,10 @@ async def begin(
         lease: Lease | None = None
         handed_over = False
         try:
-            letter = await _claim_letter(state.claim, key, parts)
+            # The claim, and the row read of a claim won or found saved, in one batch.
+            letter, exists, payload_json = await state.claim_read((key, kind, digest))
             reclaimed = False
             if letter == "S":
-                exists, payload_json = await _fetch(state, parts, kind, digest)
                 if exists:
                     parts.local.add(kind, digest, stamp)
                     return Saved(_decode(payload_json))
@@ -509,15 +623,16 @@ async def begin(
                 log.info("a run-once value is marked saved in Redis but has no row: reclaimed")
                 letter = await _claim_letter(state.reclaim, key, parts)
                 reclaimed = True
+                if letter == "W":
+                    exists, payload_json = await _fetch(state, parts, kind, digest)
             if letter == "W":
                 lease = Lease(parts, kind, value, digest, key, state, mine, reclaimed=reclaimed)
                 # The row may exist with no marker (a plain save whose marker was lost,
                 # or a Redis that restarted empty): then the database has the answer.
-                exists, payload_json = await _fetch(state, parts, kind, digest)
                 if not exists:
                     handed_over = True
                     return lease
-                await lease._stop()
+                lease._stop()
                 with contextlib.suppress(RedisError, OSError):
                     await state.commit(key)
                 parts.local.add(kind, digest, stamp)
