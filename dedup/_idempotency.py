@@ -263,12 +263,14 @@ _Record = tuple[str | None, Response] | None
 
 
 class _Entry:
-    __slots__ = ("expires_at", "local", "local_key", "record", "size", "stamp")
+    __slots__ = ("answer", "expires_at", "local", "local_key", "record", "size", "stamp")
 
     def __init__(
         self, record: _Record, local: SavedCache, local_key: int, expires_at: float, size: int
     ) -> None:
         self.record = record
+        # The replay built once, for every request that gets it (see Idempotency.cached).
+        self.answer: Response | None = None
         self.local = local
         self.local_key = local_key
         self.expires_at = expires_at
@@ -328,20 +330,25 @@ class ReplayCache:
 
     def get(self, value: str) -> tuple[bool, _Record]:
         """``(True, record)`` for a cached key, ``(False, None)`` otherwise."""
+        entry = self.entry(value)
+        return (False, None) if entry is None else (True, entry.record)
+
+    def entry(self, value: str) -> _Entry | None:
+        """The usable entry of ``value``, or None (counted as a hit or a miss)."""
         with self._lock:
             entry = self._entries.get(value)
             if entry is None:
                 self.misses += 1
-                return False, None
+                return None
             # A read of the tier's dict, not ``in`` on the tier (which reorders it): the
             # WSGI middleware looks up from a thread other than the tier's loop thread.
             if not entry.usable():
                 self._drop(value)
                 self.misses += 1
-                return False, None
+                return None
             self._entries.move_to_end(value)
             self.hits += 1
-            return True, entry.record
+            return entry
 
     def put(self, value: str, record: _Record, local: SavedCache, local_key: int) -> None:
         """Keep ``record`` for ``value``, whose entry in the local tier ``local`` is
@@ -519,12 +526,28 @@ class Idempotency:
         """The hex SHA-256 of the request's fingerprint, or None without one."""
         if not self.reads_body or self.fingerprinter is None:
             return None
+        if self.fingerprinter is default_fingerprint:
+            return self.default_fingerprint(request.method, request.path, request.query,
+                                            request.body)  # fmt: skip
         raw = self.fingerprinter(request)
         if isinstance(raw, str):
             raw = raw.encode()
         if not isinstance(raw, bytes | bytearray):
             raise TypeError("a fingerprint function returns bytes or str")
         return hashlib.sha256(raw).hexdigest()
+
+    @staticmethod
+    def default_fingerprint(method: str, path: str, query: str, body: bytes) -> str:
+        """:meth:`fingerprint` with :func:`default_fingerprint`, without a
+        :class:`RequestInfo` (the middlewares' common case)."""
+        body_digest = hashlib.sha256(body).hexdigest()
+        return hashlib.sha256(f"{method}\n{path}\n{query}\n{body_digest}".encode()).hexdigest()
+
+    def fingerprint_of(self, method: str, path: str, query: str, body: bytes) -> str | None:
+        """:meth:`fingerprint` of a request given by its parts."""
+        if self.fingerprinter is default_fingerprint and self.reads_body:
+            return self.default_fingerprint(method, path, query, body)
+        return self.fingerprint(RequestInfo(method, path, query, body))
 
     def value(self, key: str, scope: str | None) -> str:
         """The Gateway value of ``key`` in ``scope``: ``"<len(scope)>:<scope>:<key>"``, the
@@ -567,10 +590,18 @@ class Idempotency:
 
         Only while the Gateway is open and not degraded: otherwise the request gets what
         :meth:`claim` answers (a 503), as it did before the key was cached."""
-        found, record = self.cache.get(value)
-        if not found or gateway.degraded or gateway._engine is None:
+        entry = self.cache.entry(value)
+        if entry is None or gateway.degraded or gateway._engine is None:
             return None
-        return self._answer(record, fingerprint)
+        record = entry.record
+        if record is not None and fingerprint is not None and self.mode == "replay":
+            stored_fp = record[0]
+            if stored_fp is not None and fingerprint != stored_fp:
+                return self._answer(record, fingerprint)  # the 422
+        answer = entry.answer
+        if answer is None:  # the same for every request that matches (a race only rebuilds it)
+            answer = entry.answer = self._answer(record, None)
+        return answer
 
     def remember(
         self, gateway: Gateway, value: str, record: _Record, digest: bytes | None = None

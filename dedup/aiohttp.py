@@ -20,10 +20,9 @@ from typing import Unpack
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
-from multidict import CIMultiDict
 
 from dedup._engine.once import Lease
-from dedup._idempotency import Idempotency, Options, RequestInfo, Response, call_maybe
+from dedup._idempotency import Idempotency, Options, Response, call_maybe
 from dedup.errors import InvalidInput
 from dedup.gateway import Gateway
 
@@ -86,8 +85,8 @@ def middleware(
             refusal = rules.body_too_large(len(body))
             if refusal is not None:
                 return _response(refusal)
-            info = RequestInfo(request.method.upper(), request.path, request.query_string, body)
-            fingerprint = rules.fingerprint(info)
+            method, path, query = request.method.upper(), request.path, request.query_string
+            fingerprint = rules.fingerprint_of(method, path, query, body)
         try:
             value = rules.value(value, await call_maybe(scope, request))
         except InvalidInput as exc:
@@ -131,5 +130,5 @@ class DedupMiddleware:
 
 
 def _response(answer: Response) -> web.Response:
-    headers = CIMultiDict(answer.headers)
-    return web.Response(status=answer.status, body=answer.body or b"", headers=headers)
+    # aiohttp copies the headers into a CIMultiDict of its own: no copy of ours first.
+    return web.Response(status=answer.status, body=answer.body or b"", headers=answer.headers)

@@ -21,7 +21,6 @@ from dedup._idempotency import (
     Capture,
     Idempotency,
     Options,
-    RequestInfo,
     Response,
     call_maybe,
 )
@@ -105,8 +104,7 @@ class DedupMiddleware:
                 return
             receive = _replaying(body, receive)
             query = bytes(scope.get("query_string", b"")).decode("latin-1")
-            info = RequestInfo(scope["method"].upper(), scope["path"], query, body)
-            fingerprint = rules.fingerprint(info)
+            fingerprint = rules.fingerprint_of(scope["method"].upper(), scope["path"], query, body)
         try:
             value = rules.value(key, await call_maybe(rules.scope, scope))
         except InvalidInput as exc:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Unpack
 
 from dedup._engine.once import Lease
-from dedup._idempotency import Capture, Idempotency, Options, RequestInfo, Response, problem
+from dedup._idempotency import Capture, Idempotency, Options, Response, problem
 from dedup.errors import DedupError, InvalidInput
 from dedup.sync import SyncGateway
 
@@ -98,8 +98,8 @@ class DedupMiddleware:
                 return _answer(start_response, body)
             environ["wsgi.input"] = io.BytesIO(body)
             environ["CONTENT_LENGTH"] = str(len(body))
-            info = RequestInfo(method, _path(environ), environ.get("QUERY_STRING", ""), body)
-            fingerprint = rules.fingerprint(info)
+            query = environ.get("QUERY_STRING", "")
+            fingerprint = rules.fingerprint_of(method, _path(environ), query, body)
         try:
             value = rules.value(key, None if rules.scope is None else rules.scope(environ))
             gw = self.gateway
