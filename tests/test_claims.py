@@ -565,6 +565,34 @@ async def test_redis_clients_pack_commands_the_fast_way(redis_url: str) -> None:
         await client.aclose()
 
 
+async def test_a_command_cancelled_while_it_sends_is_cancelled(redis_url: str) -> None:
+    """A task cancelled at any loop step of a command ends cancelled (redis-py's write,
+    through Python 3.11's wait_for, returned instead when the cancel came between the
+    write's end and the task's wakeup), and the client's next answers are its own."""
+    client = connect_redis(redis_url, max_connections=4, timeout_s=5)
+    assert isinstance(client, Redis)
+    try:
+        await client.set("cancel-probe", "v")
+        cancelled = 0
+        for steps in range(8):
+            for _ in range(5):
+                task = asyncio.ensure_future(client.get("cancel-probe"))
+                for _ in range(steps):
+                    await asyncio.sleep(0)
+                if task.done():  # answered before the cancel: nothing to check
+                    continue
+                task.cancel()
+                await asyncio.wait([task], timeout=30)
+                assert task.cancelled(), (steps, task)
+                cancelled += 1
+        assert cancelled >= 5  # the cancels did land while the commands ran
+        for i in range(20):
+            await client.set(f"cancel-probe-{i}", i)
+            assert await client.get(f"cancel-probe-{i}") == str(i).encode()
+    finally:
+        await client.aclose()
+
+
 # ------------------------------------------------------------------ run_together
 
 _SLOW = Script("""
