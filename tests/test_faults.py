@@ -224,7 +224,10 @@ async def resave_after(capsys: pytest.CaptureFixture[str], redis_url: str, pg_ur
     acked = sorted(key for key, flags in ledger.acks.items() if flags)
     before = await markers(redis_url, acked)
     results: list[SaveResult] = []
-    async with Gateway(redis_url, pg_url, lease_ms=1000, wait_timeout_s=WAIT_S) as gw:
+    # Its own leases long enough for a loaded machine's writes (half a lease each: with
+    # lease_ms=1000 a batch insert timed out at 0.5 s); the leases the faulted gateways
+    # left expire on their own clocks, whatever this one's.
+    async with Gateway(redis_url, pg_url, lease_ms=10_000, wait_timeout_s=WAIT_S) as gw:
         # In slices: a fast run acknowledges more values than one batch may hold
         # (max_pending, 100,000: 101,131 in one run on Redis 6.2).
         for i in range(0, len(acked), 10_000):
@@ -303,7 +306,10 @@ async def test_sigkill_gateway_processes_under_load(
             ledger.record_line(line)
     unanswered = 3 * len(distinct) - sum(len(answers(out)) for _, out in procs)
     # The gateway serves again by itself: a new one saves every value once more.
-    async with Gateway(redis_url, pg_url, lease_ms=1000, wait_timeout_s=WAIT_S) as gw:
+    # Its own leases long enough for a loaded machine's writes (half a lease each: with
+    # lease_ms=1000 a batch insert timed out at 0.5 s); the leases the faulted gateways
+    # left expire on their own clocks, whatever this one's.
+    async with Gateway(redis_url, pg_url, lease_ms=10_000, wait_timeout_s=WAIT_S) as gw:
         ledger.record_all(distinct, await gw.save_many(distinct))
     rows = await check_contract(
         capsys, "SIGKILL 2 of 3 gateway processes", pg_url, ledger,

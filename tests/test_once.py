@@ -288,15 +288,17 @@ async def test_waiters_are_bounded_by_wait_timeout(redis_url: str, pg_url: str) 
 
 async def test_the_lease_is_renewed_while_the_function_runs(redis_url: str, pg_url: str) -> None:
     runs = 0
+    # A lease of 1 s with database statements bounded by 0.8 s (the most it allows): a
+    # lease of 0.3 s bounded them by 0.15 s, which a loaded machine's reads overran.
     async with (
-        Gateway(redis_url, pg_url, lease_ms=300) as runner_gw,
-        Gateway(redis_url, pg_url, lease_ms=300) as other_gw,
+        Gateway(redis_url, pg_url, lease_ms=1000, write_timeout_ms=800) as runner_gw,
+        Gateway(redis_url, pg_url, lease_ms=1000, write_timeout_ms=800) as other_gw,
     ):
 
         async def long(value: str) -> int:
             nonlocal runs
             runs += 1
-            await asyncio.sleep(1.5)  # five leases long: only renewals keep it
+            await asyncio.sleep(3.0)  # three leases long: only renewals keep it
             return runs
 
         first = asyncio.ensure_future(runner_gw.once("job")(long)("v"))
