@@ -508,11 +508,17 @@ async def test_prune_progress_ctrl_c_and_resume(redis_url: str, pg_url: str) -> 
                 proc.send_signal(signal.SIGINT)
                 # The terminal is read until the child closes it: a child whose writes to
                 # a full terminal blocked would never get to handle the Ctrl-C.
-                rest, (stdout, _) = await asyncio.gather(
-                    asyncio.to_thread(_read_rest, master),
-                    asyncio.to_thread(proc.communicate, None, RUN_TIMEOUT_S),
-                )
-                seen += rest
+                reader = asyncio.ensure_future(asyncio.to_thread(_read_rest, master))
+                try:
+                    stdout, _ = await asyncio.to_thread(proc.communicate, None, RUN_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()  # its terminal closes: the reader returns what it read
+                    seen += await reader
+                    raise AssertionError(
+                        f"dedup prune still ran {RUN_TIMEOUT_S} s after Ctrl-C (a progress "
+                        f"bar that went on: the cancel was lost); its terminal: {seen[-3000:]!r}"
+                    ) from None
+                seen += await reader
             finally:
                 if proc.poll() is None:
                     proc.kill()
