@@ -386,7 +386,7 @@ def forget_command(
         bar.enabled = bar.enabled and len(found.values) > chunk
         if found.values:
             with bar.attached():
-                run(_forget(kwargs, kind, found, bar, chunk))
+                run(_forget(kwargs, kind, found, bar, chunk), progress=lambda: bar.done)
     except _BadInput as exc:
         bar.finish()
         _error(str(exc), err)
@@ -452,7 +452,9 @@ def prune_command(
     bar = ProgressBar(err)
     try:
         with bar.attached():
-            pruned = run(_prune(kwargs, kind, older_than_s, batch_size, bar))
+            pruned = run(
+                _prune(kwargs, kind, older_than_s, batch_size, bar), progress=lambda: bar.done
+            )
     except InvalidInput as exc:
         bar.finish()
         _error(str(exc), err)
