@@ -490,14 +490,20 @@ async def test_concurrent_runs_share_their_reads_and_writes(
 
 async def test_two_rows_of_one_key_in_a_write_batch(gw: Gateway) -> None:
     """Two runs of one key whose rows meet in one statement (possible only after a lost
-    lease): the first row is inserted, the other is told it was not, and reads it."""
-    from dedup._engine.once import _state
+    lease): the first row is inserted, the other is told it was not, and gets its payload."""
+    from dedup._engine.once import Lease, _state
 
-    state = _state(gw, gw._parts())
+    parts = gw._parts()
+    state = _state(gw, parts)
     digest = b"\x01" * 16
-    first = Row("job", digest, "v", '"first"')
-    second = Row("job", digest, "v", '"second"')
+    key = parts.keys.key("job", digest)
+    loop = asyncio.get_running_loop()
+    first, second = (
+        Lease(parts, "job", "v", digest, key, state, loop.create_future()) for _ in range(2)
+    )
+    first._payload, second._payload = '"first"', '"second"'
     async with asyncio.timeout(DEADLINE_S):
-        assert list(await asyncio.gather(state.write(first), state.write(second))) == [True, False]
+        stored = await asyncio.gather(state.store(first), state.store(second))
+        assert list(stored) == [None, '"first"']
         assert await state.fetch(("job", digest)) == (True, '"first"')
         assert await state.fetch(("job", b"\x02" * 16)) == (False, None)

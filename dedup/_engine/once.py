@@ -189,19 +189,19 @@ class RunOnceState:
     re-claim the run's lease as its own and write the row under it.
 
     ``claim``, ``commit``, ``abort`` and ``reclaim`` (see :func:`begin`) batch the
-    Redis scripts of concurrent runs; ``fetch`` batches their row reads (one
-    ``SELECT`` a batch) and ``write`` their rows (one key-sorted ``INSERT`` a batch,
-    as the write stage's), so that N concurrent runs cost a few statements, not 2N.
+    Redis scripts of concurrent runs and ``fetch`` their row reads (one ``SELECT`` a
+    batch), so that N concurrent runs cost a few statements, not 2N.
 
     The two steps of a new value's run go as two batches: ``claim_read`` claims a
     batch and reads the rows of the claims won (or found saved) in one go, and
-    ``store`` writes a batch of leases' rows and marks them saved. Each caller waits
+    ``store`` writes a batch of leases' rows (one key-sorted ``INSERT``, as the write
+    stage's) and marks them saved. Each caller waits
     once for each, not once per round trip: a run's CPU, not its round trips, is what
     a busy process pays for.
     """
 
     __slots__ = ("abort", "claim", "claim_read", "commit", "fetch", "leases", "reclaim",
-                 "renewer", "running", "store", "write")  # fmt: skip
+                 "renewer", "running", "store")  # fmt: skip
 
     def __init__(self, parts: EngineParts) -> None:
         claims = parts.claims.under_own_token()
@@ -328,7 +328,6 @@ class RunOnceState:
         self.abort = _Batched(abort, gate)
         self.reclaim = _Batched(reclaim, gate)
         self.fetch = _Batched(fetch)
-        self.write = _Batched(write)
         self.claim_read = _Batched(claim_read, lanes=_LANES)
         self.store = _Batched(store, lanes=_LANES)
 
