@@ -153,8 +153,14 @@ Fingerprint = Callable[[RequestInfo], "bytes | str"]
 
 def default_fingerprint(request: RequestInfo) -> bytes:
     """Method, path, query string and the SHA-256 digest of the body."""
-    body_digest = hashlib.sha256(request.body).hexdigest()
-    return "\n".join((request.method, request.path, request.query, body_digest)).encode()
+    return _default_fingerprint(request.method, request.path, request.query, request.body)
+
+
+def _default_fingerprint(method: str, path: str, query: str, body: bytes) -> bytes:
+    # default_fingerprint of a request given by its parts (the middlewares need no
+    # RequestInfo for it).
+    body_digest = hashlib.sha256(body).hexdigest()
+    return "\n".join((method, path, query, body_digest)).encode()
 
 
 def json_fingerprint(*, ignore: Iterable[str] = ()) -> Fingerprint:
@@ -327,11 +333,6 @@ class ReplayCache:
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    def get(self, value: str) -> tuple[bool, _Record]:
-        """``(True, record)`` for a cached key, ``(False, None)`` otherwise."""
-        entry = self.entry(value)
-        return (False, None) if entry is None else (True, entry.record)
 
     def entry(self, value: str) -> _Entry | None:
         """The usable entry of ``value``, or None (counted as a hit or a miss)."""
@@ -526,9 +527,6 @@ class Idempotency:
         """The hex SHA-256 of the request's fingerprint, or None without one."""
         if not self.reads_body or self.fingerprinter is None:
             return None
-        if self.fingerprinter is default_fingerprint:
-            return self.default_fingerprint(request.method, request.path, request.query,
-                                            request.body)  # fmt: skip
         raw = self.fingerprinter(request)
         if isinstance(raw, str):
             raw = raw.encode()
@@ -536,17 +534,10 @@ class Idempotency:
             raise TypeError("a fingerprint function returns bytes or str")
         return hashlib.sha256(raw).hexdigest()
 
-    @staticmethod
-    def default_fingerprint(method: str, path: str, query: str, body: bytes) -> str:
-        """:meth:`fingerprint` with :func:`default_fingerprint`, without a
-        :class:`RequestInfo` (the middlewares' common case)."""
-        body_digest = hashlib.sha256(body).hexdigest()
-        return hashlib.sha256(f"{method}\n{path}\n{query}\n{body_digest}".encode()).hexdigest()
-
     def fingerprint_of(self, method: str, path: str, query: str, body: bytes) -> str | None:
         """:meth:`fingerprint` of a request given by its parts."""
         if self.fingerprinter is default_fingerprint and self.reads_body:
-            return self.default_fingerprint(method, path, query, body)
+            return hashlib.sha256(_default_fingerprint(method, path, query, body)).hexdigest()
         return self.fingerprint(RequestInfo(method, path, query, body))
 
     def value(self, key: str, scope: str | None) -> str:
