@@ -269,12 +269,23 @@ _Record = tuple[str | None, Response] | None
 
 
 class _Entry:
-    __slots__ = ("answer", "expires_at", "local", "local_key", "record", "size", "stamp")
+    # The record's parts as fields, not a (fingerprint, Response) pair: an entry lives
+    # for thousands of requests, so each object it holds is one more for every full
+    # pass of the garbage collector (``status`` 0: a key saved without a record).
+    __slots__ = ("answer", "body", "expires_at", "fp", "headers", "local", "local_key", "size",
+                 "stamp", "status")  # fmt: skip
 
     def __init__(
         self, record: _Record, local: SavedCache, local_key: int, expires_at: float, size: int
     ) -> None:
-        self.record = record
+        if record is None:
+            self.fp: str | None = None
+            self.status = 0
+            self.headers: tuple[tuple[str, str], ...] = ()
+            self.body: bytes | None = None
+        else:
+            self.fp, response = record
+            self.status, self.headers, self.body = response.status, response.headers, response.body
         # The replay built once, for every request that gets it (see Idempotency.cached).
         self.answer: Response | None = None
         self.local = local
@@ -282,6 +293,13 @@ class _Entry:
         self.expires_at = expires_at
         self.size = size
         self.stamp = local.stamp()
+
+    @property
+    def record(self) -> _Record:
+        """The record, as :func:`_decode` gives it."""
+        if not self.status:
+            return None
+        return self.fp, Response(self.status, self.headers, self.body)
 
     def usable(self) -> bool:
         """Whether the tier still answers the key as saved, and has not forgotten it since
@@ -584,14 +602,13 @@ class Idempotency:
         entry = self.cache.entry(value)
         if entry is None or gateway.degraded or gateway._engine is None:
             return None
-        record = entry.record
-        if record is not None and fingerprint is not None and self.mode == "replay":
-            stored_fp = record[0]
+        if entry.status and fingerprint is not None and self.mode == "replay":
+            stored_fp = entry.fp
             if stored_fp is not None and fingerprint != stored_fp:
-                return self._answer(record, fingerprint)  # the 422
+                return self._answer(entry.record, fingerprint)  # the 422
         answer = entry.answer
         if answer is None:  # the same for every request that matches (a race only rebuilds it)
-            answer = entry.answer = self._answer(record, None)
+            answer = entry.answer = self._answer(entry.record, None)
         return answer
 
     def remember(

@@ -86,7 +86,7 @@ class DedupMiddleware:
         if scope["type"] != "http" or not rules.guards(scope["method"]):
             await self.app(scope, receive, send)
             return
-        key = await self._key_of(scope)
+        key = self._header_key(scope) if rules.key is None else await self._key_of(scope)
         if key is None:
             refusal = rules.missing_key()
             if refusal is None:
@@ -102,11 +102,12 @@ class DedupMiddleware:
             if isinstance(body, Response):
                 await _send(send, body)
                 return
-            receive = _replaying(body, receive)
+            receive = _Replaying(body, receive)
             query = bytes(scope.get("query_string", b"")).decode("latin-1")
             fingerprint = rules.fingerprint_of(scope["method"].upper(), scope["path"], query, body)
         try:
-            value = rules.value(key, await call_maybe(rules.scope, scope))
+            tenant = None if rules.scope is None else await call_maybe(rules.scope, scope)
+            value = rules.value(key, tenant)
         except InvalidInput as exc:
             await _send(send, rules.error(exc))
             return
@@ -117,9 +118,10 @@ class DedupMiddleware:
         await self._run(scope, receive, send, claimed, fingerprint)
 
     async def _key_of(self, scope: Scope) -> str | None:
-        if self.rules.key is not None:
-            found = await call_maybe(self.rules.key, scope)
-            return found or None
+        found = await call_maybe(self.rules.key, scope)
+        return found or None
+
+    def _header_key(self, scope: Scope) -> str | None:
         for name, value in scope.get("headers", ()):
             if bytes(name).lower() == self._header:
                 return self.rules.key_from_header(bytes(value).decode("latin-1"))
@@ -133,46 +135,68 @@ class DedupMiddleware:
         lease: Lease,
         fingerprint: str | None,
     ) -> None:
-        rules = self.rules
-        capture = Capture(rules.max_response_bytes)
-        held: Message | None = None
-        settled = False
-
-        async def settle(complete: bool) -> None:
-            nonlocal settled
-            if not settled:
-                settled = True
-                status = capture.status if complete else None
-                await self.rules.settle(
-                    self.gateway, lease, status, capture.headers, capture.body, fingerprint
-                )
-
-        async def send_one_behind(message: Message) -> None:
-            nonlocal held
-            kind = message["type"]
-            if kind == "http.response.start":
-                capture.start(int(message["status"]), rules.kept_raw(message.get("headers", ())))
-            elif kind == "http.response.body":
-                capture.add(bytes(message.get("body", b"")))
-                if not message.get("more_body", False):
-                    await settle(complete=True)
-            if held is not None:
-                await send(held)
-            held = message
-            if settled:
-                held = None
-                await send(message)
-
+        relay = _Relay(self, send, lease, fingerprint)
         try:
-            await self.app(scope, receive, send_one_behind)
+            await self.app(scope, receive, relay)
         except BaseException:
-            if not settled:
-                settled = True
+            if not relay.settled:
+                relay.settled = True
                 await lease.fail()
             raise
-        await settle(complete=False)  # the app returned without finishing its response
-        if held is not None:
-            await send(held)
+        await relay.settle(complete=False)  # the app returned without finishing its response
+        if relay.held is not None:
+            await send(relay.held)
+
+
+class _Relay:
+    """The app's ``send`` for a request that runs the handler: its messages go out one
+    behind, captured, and the key is stored (or released) before the last one goes out.
+
+    One object per request, where closures would take a function and a cell per
+    variable: a new key's request waits on round trips, so what it holds meanwhile
+    reaches the garbage collector's older generations."""
+
+    __slots__ = ("capture", "fingerprint", "held", "lease", "middleware", "send", "settled")
+
+    def __init__(
+        self, middleware: DedupMiddleware, send: Send, lease: Lease, fingerprint: str | None
+    ) -> None:
+        self.middleware = middleware
+        self.send = send
+        self.lease = lease
+        self.fingerprint = fingerprint
+        self.capture = Capture(middleware.rules.max_response_bytes)
+        self.held: Message | None = None
+        self.settled = False
+
+    async def settle(self, complete: bool) -> None:
+        """Store the captured answer (``complete``) or release the key, once."""
+        if not self.settled:
+            self.settled = True
+            capture = self.capture
+            status = capture.status if complete else None
+            middleware = self.middleware
+            await middleware.rules.settle(
+                middleware.gateway, self.lease, status, capture.headers, capture.body,
+                self.fingerprint,
+            )  # fmt: skip
+
+    async def __call__(self, message: Message) -> None:
+        kind = message["type"]
+        capture = self.capture
+        if kind == "http.response.start":
+            headers = self.middleware.rules.kept_raw(message.get("headers", ()))
+            capture.start(int(message["status"]), headers)
+        elif kind == "http.response.body":
+            capture.add(bytes(message.get("body", b"")))
+            if not message.get("more_body", False):
+                await self.settle(complete=True)
+        if self.held is not None:
+            await self.send(self.held)
+        self.held = message
+        if self.settled:
+            self.held = None
+            await self.send(message)
 
 
 async def _read_body(scope: Scope, receive: Receive, rules: Idempotency) -> bytes | Response | None:
@@ -198,18 +222,21 @@ async def _read_body(scope: Scope, receive: Receive, rules: Idempotency) -> byte
             return b"".join(chunks)
 
 
-def _replaying(body: bytes, receive: Receive) -> Receive:
+class _Replaying:
     """A receive that hands the app the body read already, then the server's messages."""
-    given = False
 
-    async def replay() -> Message:
-        nonlocal given
-        if given:
-            return await receive()
-        given = True
+    __slots__ = ("body", "receive")
+
+    def __init__(self, body: bytes, receive: Receive) -> None:
+        self.body: bytes | None = body
+        self.receive = receive
+
+    async def __call__(self) -> Message:
+        body = self.body
+        if body is None:
+            return await self.receive()
+        self.body = None
         return {"type": "http.request", "body": body, "more_body": False}
-
-    return replay
 
 
 async def _send(send: Send, response: Response) -> None:

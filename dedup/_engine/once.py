@@ -98,7 +98,7 @@ class _Batched(Generic[_K, _A]):
     take one connection at most, and retry for a moment when none is free. The database
     batchers need no gate: the sink's pool waits for a free connection."""
 
-    __slots__ = ("_busy", "_gate", "_gathering", "_lanes", "_run", "_tasks", "_waiting")
+    __slots__ = ("_busy", "_gate", "_gathering", "_lanes", "_more", "_run", "_tasks", "_waiting")
 
     def __init__(
         self,
@@ -109,23 +109,32 @@ class _Batched(Generic[_K, _A]):
         self._run = run
         self._gate = gate
         self._lanes = lanes
-        self._waiting: dict[_K, list[asyncio.Future[_A]]] = {}
+        # A future per key waiting, and the rare other callers of a key in ``_more``: a
+        # list per key would be one more object for every call.
+        self._waiting: dict[_K, asyncio.Future[_A]] = {}
+        self._more: dict[_K, list[asyncio.Future[_A]]] = {}
         self._busy = 0  # lanes with a task
         self._tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
         self._gathering = False  # a lane's task waits for this tick's callers
 
-    async def __call__(self, key: _K) -> _A:
-        """The call's answer for ``key``; raises what the call raised."""
+    def __call__(self, key: _K) -> asyncio.Future[_A]:
+        """The call's answer for ``key`` (a future to await); raises what the call raised.
+
+        A plain function returning the future, not a coroutine: a caller waiting for its
+        batch holds one object fewer."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[_A] = loop.create_future()
-        self._waiting.setdefault(key, []).append(fut)
+        if key in self._waiting:  # rare: a second caller of one key in one batch
+            self._more.setdefault(key, []).append(fut)
+        else:
+            self._waiting[key] = fut
         if not self._gathering and self._busy < self._lanes:
             self._gathering = True
             self._busy += 1
             task = loop.create_task(self._drain())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        return await fut
+        return fut
 
     async def _call(self, keys: list[_K]) -> list[_A]:
         # Under a full load of saves the Gateway's own stages may hold every pooled
@@ -144,37 +153,57 @@ class _Batched(Generic[_K, _A]):
             return await self._call(keys)
 
     async def _drain(self) -> None:
-        batch: dict[_K, list[asyncio.Future[_A]]] = {}
+        batch: dict[_K, asyncio.Future[_A]] = {}
+        more: dict[_K, list[asyncio.Future[_A]]] = {}
         gathering = True
         try:
             await asyncio.sleep(0)  # the callers of this tick join this call
             self._gathering = gathering = False
             while self._waiting:
                 batch, self._waiting = self._waiting, {}
+                more, self._more = self._more, {}
                 try:
                     answers = await self._gated_call(list(batch))
                 except Exception as exc:
-                    for futs in batch.values():
-                        for fut in futs:
-                            if not fut.done():
-                                fut.set_exception(exc)
-                    continue
-                for futs, answer in zip(batch.values(), answers, strict=True):
-                    for fut in futs:
-                        if not fut.done():
-                            fut.set_result(answer)
-                batch = {}
+                    _fail(batch, more, exc)
+                else:
+                    _answer(batch, more, answers)
+                batch, more = {}, {}
         finally:
             self._busy -= 1
             if gathering:
                 self._gathering = False
             # Cancelled (the loop is closing): nobody answers the rest, so say so.
-            for waiting in (batch, self._waiting):
-                for futs in waiting.values():
-                    for fut in futs:
-                        if not fut.done():
-                            fut.set_exception(DedupError("the Gateway's loop stopped"))
-            self._waiting = {}
+            stopped = DedupError("the Gateway's loop stopped")
+            _fail(batch, more, stopped)
+            _fail(self._waiting, self._more, stopped)
+            self._waiting, self._more = {}, {}
+
+
+def _answer(
+    batch: dict[_K, asyncio.Future[_A]], more: dict[_K, list[asyncio.Future[_A]]], answers: list[_A]
+) -> None:
+    """Answer a batch's callers: ``answers`` in the order of ``batch``."""
+    for fut, answer in zip(batch.values(), answers, strict=True):
+        if not fut.done():
+            fut.set_result(answer)
+    if more:
+        position = {key: i for i, key in enumerate(batch)}
+        for key, futs in more.items():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_result(answers[position[key]])
+
+
+def _fail(
+    batch: dict[_K, asyncio.Future[_A]],
+    more: dict[_K, list[asyncio.Future[_A]]],
+    exc: BaseException,
+) -> None:
+    """Raise ``exc`` to a batch's callers."""
+    for fut in (*batch.values(), *(f for futs in more.values() for f in futs)):
+        if not fut.done():
+            fut.set_exception(exc)
 
 
 class RunOnceState:
