@@ -13,6 +13,7 @@ this module only reads ASGI requests and sends ASGI responses.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Unpack
 
@@ -111,7 +112,11 @@ class DedupMiddleware:
         except InvalidInput as exc:
             await _send(send, rules.error(exc))
             return
-        claimed = await rules.claim(self.gateway, value, fingerprint)
+        answer = rules.cached(self.gateway, value, fingerprint)  # a replay, with no await
+        if answer is not None:
+            await _send(send, answer)
+            return
+        claimed = await rules.claim_uncached(self.gateway, value, fingerprint)
         if isinstance(claimed, Response):
             await _send(send, claimed)
             return
@@ -139,10 +144,15 @@ class DedupMiddleware:
         try:
             await self.app(scope, receive, relay)
         except BaseException:
-            if not relay.settled:
+            if relay.ending is not None:
+                await relay.ending
+            elif not relay.settled:
                 relay.settled = True
                 await lease.fail()
             raise
+        if relay.ending is not None:
+            await relay.ending
+            return
         await relay.settle(complete=False)  # the app returned without finishing its response
         if relay.held is not None:
             await send(relay.held)
@@ -156,7 +166,8 @@ class _Relay:
     variable: a new key's request waits on round trips, so what it holds meanwhile
     reaches the garbage collector's older generations."""
 
-    __slots__ = ("capture", "fingerprint", "held", "lease", "middleware", "send", "settled")
+    __slots__ = ("capture", "ending", "fingerprint", "held", "lease", "middleware", "send",
+                 "settled")  # fmt: skip
 
     def __init__(
         self, middleware: DedupMiddleware, send: Send, lease: Lease, fingerprint: str | None
@@ -168,20 +179,38 @@ class _Relay:
         self.capture = Capture(middleware.rules.max_response_bytes)
         self.held: Message | None = None
         self.settled = False
+        # The last message's store and send, in a task of its own: the app's send returns
+        # at once, so that while the key is stored the app's frames are gone rather than
+        # held (the middleware waits for the task before it returns to the server).
+        self.ending: asyncio.Task[None] | None = None
 
     async def settle(self, complete: bool) -> None:
         """Store the captured answer (``complete``) or release the key, once."""
         if not self.settled:
             self.settled = True
-            capture = self.capture
-            status = capture.status if complete else None
-            middleware = self.middleware
-            await middleware.rules.settle(
-                middleware.gateway, self.lease, status, capture.headers, capture.body,
-                self.fingerprint,
-            )  # fmt: skip
+            await self._settle(complete)
+
+    async def _settle(self, complete: bool) -> None:
+        capture = self.capture
+        status = capture.status if complete else None
+        middleware = self.middleware
+        await middleware.rules.settle(
+            middleware.gateway, self.lease, status, capture.headers, capture.body,
+            self.fingerprint,
+        )  # fmt: skip
+
+    async def _end(self, last: Message) -> None:
+        await self._settle(complete=True)
+        held, self.held = self.held, None
+        if held is not None:
+            await self.send(held)
+        await self.send(last)
 
     async def __call__(self, message: Message) -> None:
+        if self.ending is not None:  # past the last message: in order, after it
+            await self.ending
+            await self.send(message)
+            return
         kind = message["type"]
         capture = self.capture
         if kind == "http.response.start":
@@ -189,8 +218,10 @@ class _Relay:
             capture.start(int(message["status"]), headers)
         elif kind == "http.response.body":
             capture.add(bytes(message.get("body", b"")))
-            if not message.get("more_body", False):
-                await self.settle(complete=True)
+            if not message.get("more_body", False) and not self.settled:
+                self.settled = True
+                self.ending = asyncio.get_running_loop().create_task(self._end(message))
+                return
         if self.held is not None:
             await self.send(self.held)
         self.held = message

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -615,3 +615,47 @@ async def test_concurrent_new_keys_share_statements(redis_url: str, pg_url: str)
             answer = rules.cached(gw, f"k{i}", None)
             assert answer is not None and answer.body == f"k{i}".encode()
         assert len(await payloads(pg_url, "orders")) == n
+
+
+async def test_asgi_sends_the_last_message_after_the_store_and_in_order(
+    redis_url: str, pg_url: str
+) -> None:
+    """The ASGI middleware hands the server the response's messages in the app's order, the
+    last one only once the key's row is in the database; an app that goes on after its
+    last message (a background task) and then raises still has its answer stored and
+    sent, and its exception reaches the server."""
+    sent: list[tuple[MutableMapping[str, Any], int]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"one ", "more_body": True})
+        await send({"type": "http.response.body", "body": b"two"})
+        await asyncio.sleep(0.05)  # a background task, after the answer
+        raise RuntimeError("the background task failed")
+
+    async with Gateway(redis_url, pg_url) as gw:
+        middleware = dedup.asgi.DedupMiddleware(app, gateway=gw, kind="orders")
+        scope = {"type": "http", "method": "POST", "path": "/o", "query_string": b"",
+                 "headers": [(b"idempotency-key", b"k1")]}  # fmt: skip
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            sent.append((message, len(await payloads(pg_url, "orders"))))
+
+        async with asyncio.timeout(DEADLINE_S):
+            with pytest.raises(RuntimeError, match="background task"):
+                await middleware(scope, receive, send)
+        bodies = [m.get("body") for m, _ in sent]
+        assert [m["type"] for m, _ in sent] == [
+            "http.response.start", "http.response.body", "http.response.body"
+        ]  # fmt: skip
+        assert bodies == [None, b"one ", b"two"]
+        assert sent[-1][1] == 1  # the row was there when the last message went out
+        replay = dedup.asgi.DedupMiddleware(app, gateway=gw, kind="orders")
+        sent.clear()
+        async with asyncio.timeout(DEADLINE_S):
+            await replay(scope, receive, send)
+        assert sent[0][0]["status"] == 201 and sent[-1][0]["body"] == b"one two"
