@@ -638,6 +638,12 @@ class Idempotency:
         answer = self.cached(gateway, value, fingerprint)
         if answer is not None:
             return answer
+        return await self.claim_uncached(gateway, value, fingerprint)
+
+    async def claim_uncached(
+        self, gateway: Gateway, value: str, fingerprint: str | None
+    ) -> Lease | Response:
+        """:meth:`claim` of a key that :meth:`cached` did not answer."""
         wait_s = None if self.in_flight == "wait" else 0.0
         try:
             claimed = await begin(gateway, self.kind, value, wait_s=wait_s)

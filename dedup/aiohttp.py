@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Unpack
 
 from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
+from aiohttp.typedefs import Handler
 
 from dedup._engine.once import Lease
 from dedup._idempotency import Idempotency, Options, Response, call_maybe
@@ -49,30 +49,31 @@ def middleware(
     """
     if not isinstance(gateway, Gateway):
         raise InvalidInput("gateway must be a dedup.Gateway", field="gateway")
-    rules = Idempotency(key=key, scope=scope, **options)
+    return DedupMiddleware(gateway, Idempotency(key=key, scope=scope, **options))
 
-    async def key_of(request: web.Request) -> str | None:
-        if key is not None:
-            found = await call_maybe(key, request)
-            return found or None
-        return rules.key_from_header(request.headers.get(rules.header))
 
-    async def settle(lease: Lease, response: web.StreamResponse, fingerprint: str | None) -> None:
-        body: bytes | None = None
-        if isinstance(response, web.Response) and not response.prepared:
-            raw = response.body
-            if raw is None:
-                body = b""
-            elif isinstance(raw, bytes | bytearray):
-                body = bytes(raw) if len(raw) <= rules.max_response_bytes else None
-        headers = ((str(n), str(v)) for n, v in response.headers.items())
-        await rules.settle(gateway, lease, response.status, headers, body, fingerprint)
+class DedupMiddleware:
+    """What :func:`middleware` returns: the aiohttp middleware itself (call it as one),
+    with :meth:`forget`.
 
-    @web.middleware
-    async def dedup_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    The middleware is this object's ``__call__``, not a function it wraps: each layer
+    is one more coroutine per request, which a replay pays for as much as a handler's
+    own work."""
+
+    __middleware_version__ = 1  # aiohttp: a new-style middleware (what @web.middleware sets)
+
+    def __init__(self, gateway: Gateway, rules: Idempotency) -> None:
+        self.gateway = gateway
+        self.rules = rules
+
+    async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        rules = self.rules
         if not rules.guards(request.method):
             return await handler(request)
-        value = await key_of(request)
+        if rules.key is None:
+            value = rules.key_from_header(request.headers.get(rules.header))
+        else:
+            value = await call_maybe(rules.key, request) or None
         if value is None:
             refusal = rules.missing_key()
             return await handler(request) if refusal is None else _response(refusal)
@@ -88,39 +89,40 @@ def middleware(
             method, path, query = request.method.upper(), request.path, request.query_string
             fingerprint = rules.fingerprint_of(method, path, query, body)
         try:
-            value = rules.value(value, await call_maybe(scope, request))
+            tenant = None if rules.scope is None else await call_maybe(rules.scope, request)
+            value = rules.value(value, tenant)
         except InvalidInput as exc:
             return _response(rules.error(exc))
-        claimed = await rules.claim(gateway, value, fingerprint)
+        answer = rules.cached(self.gateway, value, fingerprint)  # a replay, with no await
+        if answer is not None:
+            return _response(answer)
+        claimed = await rules.claim_uncached(self.gateway, value, fingerprint)
         if isinstance(claimed, Response):
             return _response(claimed)
         try:
             response = await handler(request)
         except web.HTTPException as exc:  # a raised answer is an answer too
-            await settle(claimed, exc, fingerprint)
+            await self._settle(claimed, exc, fingerprint)
             raise
         except BaseException:
             await claimed.fail()
             raise
-        await settle(claimed, response, fingerprint)
+        await self._settle(claimed, response, fingerprint)
         return response
 
-    return DedupMiddleware(dedup_middleware, gateway, rules)
-
-
-class DedupMiddleware:
-    """What :func:`middleware` returns: the aiohttp middleware itself (call it as one),
-    with :meth:`forget`."""
-
-    __middleware_version__ = 1  # aiohttp: a new-style middleware (what @web.middleware sets)
-
-    def __init__(self, handle: Middleware, gateway: Gateway, rules: Idempotency) -> None:
-        self._handle = handle
-        self.gateway = gateway
-        self.rules = rules
-
-    async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        return await self._handle(request, handler)
+    async def _settle(
+        self, lease: Lease, response: web.StreamResponse, fingerprint: str | None
+    ) -> None:
+        rules = self.rules
+        body: bytes | None = None
+        if isinstance(response, web.Response) and not response.prepared:
+            raw = response.body
+            if raw is None:
+                body = b""
+            elif isinstance(raw, bytes | bytearray):
+                body = bytes(raw) if len(raw) <= rules.max_response_bytes else None
+        headers = ((str(n), str(v)) for n, v in response.headers.items())
+        await rules.settle(self.gateway, lease, response.status, headers, body, fingerprint)
 
     async def forget(self, key: str, scope: str | None = None) -> bool:
         """Forget idempotency key ``key`` and its stored response in every process (see
