@@ -733,18 +733,18 @@ class Idempotency:
         gateway: Gateway,
         lease: Lease,
         status: int | None,
-        headers: Iterable[tuple[str, str]],
+        kept: tuple[tuple[str, str], ...],
         body: bytes | None,
         fingerprint: str | None,
     ) -> None:
         """Store the handler's answer under the lease, or release the lease when the
-        answer must not be stored (``status`` None: the handler sent none). Called
+        answer must not be stored (``status`` None: the handler sent none). ``kept``:
+        the response's headers that are stored (:meth:`kept`, :meth:`kept_raw`). Called
         before the response's last bytes go out, so that a client's next request
         finds the key settled."""
         if status is None or not self.stores(status):
             await lease.fail()
             return
-        kept = self.kept(headers)
         limit = gateway._parts().limits.max_payload_bytes
         payload = orjson.dumps(self._record(status, kept, body, fingerprint))
         if len(payload) > limit and body is not None:

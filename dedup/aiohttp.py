@@ -121,8 +121,8 @@ class DedupMiddleware:
                 body = b""
             elif isinstance(raw, bytes | bytearray):
                 body = bytes(raw) if len(raw) <= rules.max_response_bytes else None
-        headers = ((str(n), str(v)) for n, v in response.headers.items())
-        await rules.settle(self.gateway, lease, response.status, headers, body, fingerprint)
+        kept = rules.kept((str(n), str(v)) for n, v in response.headers.items())
+        await rules.settle(self.gateway, lease, response.status, kept, body, fingerprint)
 
     async def forget(self, key: str, scope: str | None = None) -> bool:
         """Forget idempotency key ``key`` and its stored response in every process (see

@@ -127,8 +127,12 @@ class DedupMiddleware:
         return found or None
 
     def _header_key(self, scope: Scope) -> str | None:
+        header = self._header
+        size = len(header)
         for name, value in scope.get("headers", ()):
-            if bytes(name).lower() == self._header:
+            # Servers send names lowercased (ASGI says they should): compared as they
+            # are first, lowercased only when their length matches.
+            if name == header or (len(name) == size and bytes(name).lower() == header):
                 return self.rules.key_from_header(bytes(value).decode("latin-1"))
         return None
 

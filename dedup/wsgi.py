@@ -140,7 +140,7 @@ class DedupMiddleware:
         def start(
             status: str, headers: list[tuple[str, str]], exc_info: OptExcInfo | None = None
         ) -> Callable[[bytes], object]:
-            capture.start(int(status.split(" ", 1)[0]), headers)
+            capture.start(int(status.split(" ", 1)[0]), self.rules.kept(headers))
             write = start_response(status, headers, exc_info)
 
             def write_captured(data: bytes) -> object:  # PEP 3333's legacy write()

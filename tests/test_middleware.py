@@ -367,7 +367,7 @@ async def test_the_replay_cache_is_bounded(redis_url: str, pg_url: str) -> None:
         async def store(key: str, body: bytes) -> None:
             lease = await rules.claim(gw, key, None)
             assert not isinstance(lease, dedup._idempotency.Response)
-            await rules.settle(gw, lease, 201, [("Content-Type", "text/plain")], body, None)
+            await rules.settle(gw, lease, 201, (("Content-Type", "text/plain"),), body, None)
 
         for i in range(10):
             await store(f"k{i}", b"x")
@@ -602,7 +602,8 @@ async def test_concurrent_new_keys_share_statements(redis_url: str, pg_url: str)
         async def request(key: str) -> None:
             lease = await rules.claim(gw, key, None)
             assert not isinstance(lease, dedup._idempotency.Response)
-            await rules.settle(gw, lease, 201, [("Content-Type", "text/plain")], key.encode(), None)
+            kept = (("Content-Type", "text/plain"),)
+            await rules.settle(gw, lease, 201, kept, key.encode(), None)
 
         before = gw.stats()
         async with asyncio.timeout(DEADLINE_S):
