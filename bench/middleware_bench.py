@@ -20,7 +20,9 @@ Printed: requests/s, the ratio to ``bare`` of the same framework, and the app pr
 CPU time per request (its user + system time over the measured run). Starts its own
 redis-server and PostgreSQL (durable defaults); needs wrk and gunicorn
 (``apt install wrk``, ``pip install gunicorn``). Not a test: figures depend on the machine
-and on what else runs on it. ``--root`` serves another checkout's dedup (before/after).
+and on what else runs on it: ``--repeat N`` runs each workload N times and prints the
+median (and each run's rate). ``--root`` serves another checkout's dedup; given twice or
+more, each workload runs on each checkout in turn (before/after on one box).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import os
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -148,11 +151,17 @@ def _wrk(base: str, script: str, seconds: int, connections: int, args: list[str]
 
 
 def _run_one(
-    framework: str, workload: str, env: dict[str, str], args: argparse.Namespace, script: str
+    framework: str,
+    workload: str,
+    env: dict[str, str],
+    args: argparse.Namespace,
+    script: str,
+    root: str,
+    tag: str,
 ) -> tuple[float, float]:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(_command(framework, port, args.wsgi_threads), env=env, cwd=args.root)
+    proc = subprocess.Popen(_command(framework, port, args.wsgi_threads), env=env, cwd=root)
     try:
         _wait_ready(port, proc)
         wrk_args = [uuid.uuid4().hex]
@@ -171,7 +180,7 @@ def _run_one(
             target = proc.pid
             children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
             target = int(children[0]) if framework == "wsgi" and children else target
-            out = Path(args.profile) / f"{framework}-{workload}.txt"
+            out = Path(args.profile) / f"{framework}-{workload}{tag}.txt"
             spy = str(Path(sys.executable).parent / "py-spy")
             command = [spy, "record", "--format", "raw", "-r", "200", "-p", str(target)]
             profiler = subprocess.Popen(
@@ -202,11 +211,20 @@ def main() -> None:
     parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--wsgi-threads", type=int, default=32, help="gunicorn --threads")
-    parser.add_argument("--root", default=str(ROOT), help="the checkout whose dedup is served")
+    parser.add_argument(
+        "--root",
+        action="append",
+        help="a checkout whose dedup is served (default this one); given twice or more, "
+        "each workload runs on each checkout in turn (before/after on one box)",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs of each workload; the median is printed"
+    )
     parser.add_argument(
         "--profile", metavar="DIR", help="py-spy the app during each run (collapsed stacks)"
     )
     args = parser.parse_args()
+    roots: list[str] = args.root or [str(ROOT)]
     for tool in ("wrk",):
         if shutil.which(tool) is None:
             sys.exit(f"{tool} is needed: apt install {tool}")
@@ -215,23 +233,38 @@ def main() -> None:
         Path(script).write_text(_WRK_SCRIPT)
         db_url = pg.create_database("middleware_bench")
         upgrade(db_url)
+        if len(roots) > 1:
+            for i, root in enumerate(roots):
+                print(f"checkout {i}: {root}")
         print(f"{'framework':<10}{'workload':<10}{'req/s':>10}{'x bare':>9}{'CPU us/req':>12}")
         for n, framework in enumerate(args.frameworks.split(",")):
-            bare = None
+            bare: dict[int, float] = {}
             for workload in args.workloads.split(","):
-                env = {
-                    **os.environ,
-                    "PYTHONPATH": f"{args.root}{os.pathsep}{ROOT}",
-                    "DEDUP_BENCH_REDIS": redis.url,
-                    "DEDUP_BENCH_DATABASE": db_url,
-                    "DEDUP_BENCH_GUARDED": "0" if workload == "bare" else "1",
-                    "DEDUP_BENCH_KIND": f"b{n}{workload}{uuid.uuid4().hex[:8]}",
-                }
-                rate, cpu_us = _run_one(framework, workload, env, args, script)
-                bare = rate if workload == "bare" else bare
-                ratio = f"{rate / bare:>9.2f}" if bare else f"{'':>9}"
-                line = f"{framework:<10}{workload:<10}{rate:>10.0f}{ratio}{cpu_us:>12.0f}"
-                print(line, flush=True)
+                runs: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(roots))}
+                for rep in range(args.repeat):
+                    # The checkouts take turns, so that a slower minute of the box is shared.
+                    for i, root in enumerate(roots):
+                        env = {
+                            **os.environ,
+                            "PYTHONPATH": f"{root}{os.pathsep}{ROOT}",
+                            "DEDUP_BENCH_REDIS": redis.url,
+                            "DEDUP_BENCH_DATABASE": db_url,
+                            "DEDUP_BENCH_GUARDED": "0" if workload == "bare" else "1",
+                            "DEDUP_BENCH_KIND": f"b{n}{workload}{uuid.uuid4().hex[:8]}",
+                        }
+                        tag = (f"-{i}" if len(roots) > 1 else "") + (f"-{rep}" if rep else "")
+                        runs[i].append(_run_one(framework, workload, env, args, script, root, tag))
+                for i, measured in runs.items():
+                    rate = statistics.median(r for r, _ in measured)
+                    cpu_us = statistics.median(c for _, c in measured)
+                    if workload == "bare":
+                        bare[i] = rate
+                    ratio = f"{rate / bare[i]:>9.2f}" if i in bare else f"{'':>9}"
+                    name = workload if len(roots) == 1 else f"{workload} @{i}"
+                    line = f"{framework:<10}{name:<10}{rate:>10.0f}{ratio}{cpu_us:>12.0f}"
+                    if args.repeat > 1:
+                        line += "   (" + " / ".join(f"{r:.0f}" for r, _ in measured) + ")"
+                    print(line, flush=True)
 
 
 if __name__ == "__main__":
