@@ -715,8 +715,10 @@ class Idempotency:
         return 200 <= status <= 399
 
     def kept(self, headers: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
-        """The response headers that are stored: Content-Type, Location, ``replay_headers``."""
-        return tuple((n, v) for n, v in headers if n.lower() in self.replay_headers)
+        """The response headers that are stored: Content-Type, Location, ``replay_headers``
+        (as plain ``str``: a framework's header names may be a subclass)."""
+        kept = self.replay_headers
+        return tuple((str(n), str(v)) for n, v in headers if n.lower() in kept)
 
     def kept_raw(self, headers: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[str, str], ...]:
         """:meth:`kept` of headers as bytes (ASGI's), decoded as latin-1: only the kept

@@ -121,7 +121,7 @@ class DedupMiddleware:
                 body = b""
             elif isinstance(raw, bytes | bytearray):
                 body = bytes(raw) if len(raw) <= rules.max_response_bytes else None
-        kept = rules.kept((str(n), str(v)) for n, v in response.headers.items())
+        kept = rules.kept(response.headers.items())
         await rules.settle(self.gateway, lease, response.status, kept, body, fingerprint)
 
     async def forget(self, key: str, scope: str | None = None) -> bool:
