@@ -148,8 +148,13 @@ class DedupMiddleware:
         try:
             await self.app(scope, receive, relay)
         except BaseException:
-            if relay.ending is not None:
-                await relay.ending
+            ending = relay.ending
+            if ending is not None:
+                # The answer's store and send finish; the app's error is what the server
+                # gets (the task's own, if any, is taken so it is not logged as lost).
+                await asyncio.wait((ending,))
+                if not ending.cancelled():
+                    ending.exception()
             elif not relay.settled:
                 relay.settled = True
                 await lease.fail()
