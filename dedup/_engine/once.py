@@ -38,15 +38,15 @@ from collections.abc import (
     AsyncIterable,
     Awaitable,
     Callable,
-    Hashable,
     Iterable,
 )
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 import orjson
 from redis.exceptions import MaxConnectionsError, RedisError
 
+from dedup._engine.keyed_batches import POOL_RETRIES, POOL_RETRY_S, Batched
 from dedup._engine.write_stage import row_order, write_rows
 from dedup._values import encode_payload, validate_kind, validate_value
 from dedup.errors import DedupError, InvalidInput, Unavailable, WaitTimeout
@@ -71,139 +71,14 @@ log = logging.getLogger("dedup")
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
-_K = TypeVar("_K", bound=Hashable)
-_A = TypeVar("_A")
 
 # Busy values are looked at again after a jittered, growing pause: short at first (a
 # runner often finishes quickly), never longer than this, so a takeover after the
 # lease expires is not delayed much.
 _FIRST_POLL_S = 0.01
 _MAX_POLL_S = 0.2
-# Redis calls that found the Gateway's pool full are retried this often, this far apart.
-_POOL_RETRIES = 50
-_POOL_RETRY_S = 0.005
 # Calls of a combined run-once batch (claim and read, write and mark) in flight at once.
 _LANES = 4
-
-
-class _Batched(Generic[_K, _A]):
-    """One kind of call for one Gateway, batched: every key asked for while a call is in
-    flight goes in a next call (so a batch grows with the load, as the engine's claim and
-    write queues do). Up to ``lanes`` calls are in flight at once: while one waits for its
-    server, the next batch's callers go on, so that the process's CPU and the round trips
-    overlap rather than take turns. A lane that finishes its call takes the keys waiting.
-
-    Batchers given the same ``gate`` take turns too: the Gateway's Redis pool is sized
-    for its own stages and raises rather than waits past its size, so the Redis batchers
-    take one connection at most, and retry for a moment when none is free. The database
-    batchers need no gate: the sink's pool waits for a free connection."""
-
-    __slots__ = ("_busy", "_gate", "_gathering", "_lanes", "_more", "_run", "_tasks", "_waiting")
-
-    def __init__(
-        self,
-        run: Callable[[list[_K]], Awaitable[list[_A]]],
-        gate: asyncio.Semaphore | None = None,
-        lanes: int = 1,
-    ) -> None:
-        self._run = run
-        self._gate = gate
-        self._lanes = lanes
-        # A future per key waiting, and the rare other callers of a key in ``_more``: a
-        # list per key would be one more object for every call.
-        self._waiting: dict[_K, asyncio.Future[_A]] = {}
-        self._more: dict[_K, list[asyncio.Future[_A]]] = {}
-        self._busy = 0  # lanes with a task
-        self._tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
-        self._gathering = False  # a lane's task waits for this tick's callers
-
-    def __call__(self, key: _K) -> asyncio.Future[_A]:
-        """The call's answer for ``key`` (a future to await); raises what the call raised.
-
-        A plain function returning the future, not a coroutine: a caller waiting for its
-        batch holds one object fewer."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[_A] = loop.create_future()
-        if key in self._waiting:  # rare: a second caller of one key in one batch
-            self._more.setdefault(key, []).append(fut)
-        else:
-            self._waiting[key] = fut
-        if not self._gathering and self._busy < self._lanes:
-            self._gathering = True
-            self._busy += 1
-            task = loop.create_task(self._drain())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        return fut
-
-    async def _call(self, keys: list[_K]) -> list[_A]:
-        # Under a full load of saves the Gateway's own stages may hold every pooled
-        # Redis connection for a moment: wait for one rather than fail the run.
-        for _ in range(_POOL_RETRIES):
-            try:
-                return await self._run(keys)
-            except MaxConnectionsError:
-                await asyncio.sleep(_POOL_RETRY_S)
-        return await self._run(keys)
-
-    async def _gated_call(self, keys: list[_K]) -> list[_A]:
-        if self._gate is None:
-            return await self._call(keys)
-        async with self._gate:
-            return await self._call(keys)
-
-    async def _drain(self) -> None:
-        batch: dict[_K, asyncio.Future[_A]] = {}
-        more: dict[_K, list[asyncio.Future[_A]]] = {}
-        gathering = True
-        try:
-            await asyncio.sleep(0)  # the callers of this tick join this call
-            self._gathering = gathering = False
-            while self._waiting:
-                batch, self._waiting = self._waiting, {}
-                more, self._more = self._more, {}
-                try:
-                    answers = await self._gated_call(list(batch))
-                except Exception as exc:
-                    _fail(batch, more, exc)
-                else:
-                    _answer(batch, more, answers)
-                batch, more = {}, {}
-        finally:
-            self._busy -= 1
-            if gathering:
-                self._gathering = False
-            # Cancelled (the loop is closing): nobody answers the rest, so say so.
-            stopped = DedupError("the Gateway's loop stopped")
-            _fail(batch, more, stopped)
-            _fail(self._waiting, self._more, stopped)
-            self._waiting, self._more = {}, {}
-
-
-def _answer(
-    batch: dict[_K, asyncio.Future[_A]], more: dict[_K, list[asyncio.Future[_A]]], answers: list[_A]
-) -> None:
-    """Answer a batch's callers: ``answers`` in the order of ``batch``."""
-    for fut, answer in zip(batch.values(), answers, strict=True):
-        if not fut.done():
-            fut.set_result(answer)
-    if more:
-        position = {key: i for i, key in enumerate(batch)}
-        for key, futs in more.items():
-            for fut in futs:
-                if not fut.done():
-                    fut.set_result(answers[position[key]])
-
-
-def _fail(
-    batch: dict[_K, asyncio.Future[_A]],
-    more: dict[_K, list[asyncio.Future[_A]]],
-    exc: BaseException,
-) -> None:
-    """Raise ``exc`` to a batch's callers."""
-    for fut in (*batch.values(), *(f for futs in more.values() for f in futs)):
-        if not fut.done():
-            fut.set_exception(exc)
 
 
 class RunOnceState:
@@ -275,13 +150,13 @@ class RunOnceState:
             ]
 
         async def redis(call: Callable[[list[bytes]], Awaitable[Any]], keys: list[bytes]) -> Any:
-            # The Redis step of a combined batch: gated and retried as _Batched does.
+            # The Redis step of a combined batch: gated and retried as Batched does.
             async with gate:
-                for _ in range(_POOL_RETRIES):
+                for _ in range(POOL_RETRIES):
                     try:
                         return await call(keys)
                     except MaxConnectionsError:
-                        await asyncio.sleep(_POOL_RETRY_S)
+                        await asyncio.sleep(POOL_RETRY_S)
                 return await call(keys)
 
         async def claim_read(
@@ -352,13 +227,13 @@ class RunOnceState:
         # created and cancelled, though most runs end long before their first renewal.
         self.leases: dict[Lease, float] = {}
         self.renewer: asyncio.Task[None] | None = None
-        self.claim = _Batched(claim, gate)
-        self.commit = _Batched(commit, gate)
-        self.abort = _Batched(abort, gate)
-        self.reclaim = _Batched(reclaim, gate)
-        self.fetch = _Batched(fetch)
-        self.claim_read = _Batched(claim_read, lanes=_LANES)
-        self.store = _Batched(store, lanes=_LANES)
+        self.claim = Batched(claim, gate)
+        self.commit = Batched(commit, gate)
+        self.abort = Batched(abort, gate)
+        self.reclaim = Batched(reclaim, gate)
+        self.fetch = Batched(fetch)
+        self.claim_read = Batched(claim_read, lanes=_LANES)
+        self.store = Batched(store, lanes=_LANES)
 
     def hold(self, lease: Lease, period_s: float) -> None:
         """Renew ``lease`` every ``period_s`` until it is let go (:meth:`let_go`)."""
