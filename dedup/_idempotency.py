@@ -30,9 +30,6 @@ import http
 import inspect
 import logging
 import math
-import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
@@ -40,12 +37,12 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict
 import orjson
 
 from dedup._engine.once import Lease, begin
+from dedup._replay_cache import Entry, ReplayCache
 from dedup._values import encode_payload, validate_kind, validate_value
 from dedup.errors import DedupError, InvalidInput, Unavailable, WaitTimeout
 from dedup.urls import redact
 
 if TYPE_CHECKING:
-    from dedup._engine.local import SavedCache
     from dedup.gateway import Gateway
 
 __all__ = [
@@ -102,9 +99,6 @@ DEFAULT_REPLAY_CACHE_S = 60.0
 the next replay reads the row again."""
 
 _ALWAYS_KEPT = ("content-type", "location")
-# What a cache entry costs besides its bodies and header strings (the objects around
-# them), counted against replay_cache_bytes so that tiny entries are bounded too.
-_ENTRY_OVERHEAD_BYTES = 400
 _RECORD_VERSION = 1
 # The fixed text of a 503, by the failing component (Unavailable.component).
 _UNAVAILABLE = {"redis": "Redis is unavailable", "database": "the database is unavailable"}
@@ -266,142 +260,6 @@ class Capture:
 
 _Record = tuple[str | None, Response] | None
 """A stored record, decoded: (fingerprint, response), or None for a key saved without one."""
-
-
-class _Entry:
-    # The record's parts as fields, not a (fingerprint, Response) pair: an entry lives
-    # for thousands of requests, so each object it holds is one more for every full
-    # pass of the garbage collector (``status`` 0: a key saved without a record).
-    __slots__ = ("answer", "body", "expires_at", "fp", "headers", "local", "local_key", "size",
-                 "stamp", "status")  # fmt: skip
-
-    def __init__(
-        self, record: _Record, local: SavedCache, local_key: int, expires_at: float, size: int
-    ) -> None:
-        if record is None:
-            self.fp: str | None = None
-            self.status = 0
-            self.headers: tuple[tuple[str, str], ...] = ()
-            self.body: bytes | None = None
-        else:
-            self.fp, response = record
-            self.status, self.headers, self.body = response.status, response.headers, response.body
-        # The replay built once, for every request that gets it (see Idempotency.cached).
-        self.answer: Response | None = None
-        self.local = local
-        self.local_key = local_key
-        self.expires_at = expires_at
-        self.size = size
-        self.stamp = local.stamp()
-
-    @property
-    def record(self) -> _Record:
-        """The record, as :func:`_decode` gives it."""
-        if not self.status:
-            return None
-        return self.fp, Response(self.status, self.headers, self.body)
-
-    def usable(self) -> bool:
-        """Whether the tier still answers the key as saved, and has not forgotten it since
-        this entry was put (a key forgotten, then saved again, has another response)."""
-        local, key = self.local, self.local_key
-        return (
-            self.expires_at > time.monotonic()
-            and key in local.entries
-            and local.answering()
-            and (self.stamp == local.generation or not local.invalidated_since(key, self.stamp))
-        )
-
-
-class ReplayCache:
-    """The stored responses of one middleware's saved keys, kept in process so that a
-    replay needs neither Redis nor the database: a bounded LRU (at most ``max_entries``
-    entries and ``max_bytes`` bytes of bodies and headers), keyed by the key's Gateway
-    value.
-
-    A row's payload never changes once written (the first writer's stays), so an entry is
-    the row as every process reads it. Rows can still be deleted; the rules that bound
-    what a deleted row costs:
-
-    - an entry is used only while the Gateway's local tier still holds the key as saved
-      and has not forgotten it since the entry was put: whatever drops it there
-      (:meth:`dedup.Gateway.forget` in any process, :meth:`dedup.Gateway.purge`, eviction,
-      a lookup that found the row gone) drops it here too;
-    - an entry is used for ``max_age_s`` after it was put, never longer (a hit does not
-      extend it); a row deleted by SQL is forgotten within seconds (the tombstones'
-      drain), which drops its entry here too.
-
-    Thread-safe: the WSGI middleware looks up from the server's threads and fills from
-    the SyncGateway's loop thread. ``hits`` and ``misses`` count lookups.
-    """
-
-    __slots__ = ("_entries", "_lock", "hits", "max_age_s", "max_bytes", "max_entries",
-                 "misses", "nbytes")  # fmt: skip
-
-    def __init__(self, max_entries: int, max_bytes: int, max_age_s: float) -> None:
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self.max_age_s = max_age_s
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
-        self._lock = threading.Lock()
-        self.nbytes = 0
-        """Bytes held now (bodies, header strings and a fixed cost per entry)."""
-        self.hits = 0
-        self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def entry(self, value: str) -> _Entry | None:
-        """The usable entry of ``value``, or None (counted as a hit or a miss)."""
-        with self._lock:
-            entry = self._entries.get(value)
-            if entry is None:
-                self.misses += 1
-                return None
-            # A read of the tier's dict, not ``in`` on the tier (which reorders it): the
-            # WSGI middleware looks up from a thread other than the tier's loop thread.
-            if not entry.usable():
-                self._drop(value)
-                self.misses += 1
-                return None
-            self._entries.move_to_end(value)
-            self.hits += 1
-            return entry
-
-    def put(self, value: str, record: _Record, local: SavedCache, local_key: int) -> None:
-        """Keep ``record`` for ``value``, whose entry in the local tier ``local`` is
-        ``local_key``; evict the least recently used entries past the bounds."""
-        size = _ENTRY_OVERHEAD_BYTES + len(value)
-        if record is not None:
-            response = record[1]
-            size += len(response.body or b"") + sum(len(n) + len(v) for n, v in response.headers)
-        if self.max_entries == 0 or size > self.max_bytes:
-            return
-        entry = _Entry(record, local, local_key, time.monotonic() + self.max_age_s, size)
-        with self._lock:
-            self._drop(value)
-            self._entries[value] = entry
-            self.nbytes += size
-            while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
-                _, old = self._entries.popitem(last=False)
-                self.nbytes -= old.size
-
-    def drop(self, value: str) -> None:
-        """Drop ``value``'s entry, if any."""
-        with self._lock:
-            self._drop(value)
-
-    def clear(self) -> None:
-        """Drop every entry."""
-        with self._lock:
-            self._entries.clear()
-            self.nbytes = 0
-
-    def _drop(self, value: str) -> None:
-        old = self._entries.pop(value, None)
-        if old is not None:
-            self.nbytes -= old.size
 
 
 class Idempotency:
@@ -605,10 +463,10 @@ class Idempotency:
         if entry.status and fingerprint is not None and self.mode == "replay":
             stored_fp = entry.fp
             if stored_fp is not None and fingerprint != stored_fp:
-                return self._answer(entry.record, fingerprint)  # the 422
+                return self._answer(_record_of(entry), fingerprint)  # the 422
         answer = entry.answer
         if answer is None:  # the same for every request that matches (a race only rebuilds it)
-            answer = entry.answer = self._answer(entry.record, None)
+            answer = entry.answer = self._answer(_record_of(entry), None)
         return answer
 
     def remember(
@@ -627,7 +485,8 @@ class Idempotency:
         local = parts.local
         local_key = local.key(self.kind, digest)
         if local_key in local.entries:
-            self.cache.put(value, record, local, local_key)
+            fp, response = (None, None) if record is None else record
+            self.cache.put(value, fp, response, local, local_key)
 
     async def claim(
         self, gateway: Gateway, value: str, fingerprint: str | None
@@ -787,6 +646,13 @@ class Idempotency:
             "headers": headers,  # pairs, as JSON arrays
             **_encode_body(body),
         }
+
+
+def _record_of(entry: Entry) -> _Record:
+    """The record of a cache entry, as :func:`_decode` gives it."""
+    if not entry.status:
+        return None
+    return entry.fp, Response(entry.status, entry.headers, entry.body)
 
 
 def _encode_body(body: bytes | None) -> dict[str, Any]:
