@@ -105,7 +105,7 @@ class DedupMiddleware:
             gw = self.gateway
             # A cached replay is answered here, without a hop to the loop thread.
             cached = rules.cached(gw.gateway, value, fingerprint)
-            claimed = cached or gw._call(rules.claim(gw.gateway, value, fingerprint))
+            claimed = cached or gw._call(rules.claim_uncached(gw.gateway, value, fingerprint))
         except DedupError as exc:  # a bad key, or the SyncGateway's own call timeout
             return _answer(start_response, rules.error(exc))
         if isinstance(claimed, Response):
