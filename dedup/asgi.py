@@ -234,9 +234,6 @@ class _Relay:
         if self.held is not None:
             await self.send(self.held)
         self.held = message
-        if self.settled:
-            self.held = None
-            await self.send(message)
 
 
 async def _read_body(scope: Scope, receive: Receive, rules: Idempotency) -> bytes | Response | None:
