@@ -16,14 +16,36 @@ from redis.exceptions import MaxConnectionsError
 
 from dedup.errors import DedupError
 
-__all__ = ["POOL_RETRIES", "POOL_RETRY_S", "Batched"]
+__all__ = ["Batched", "gated_call"]
 
 _K = TypeVar("_K", bound=Hashable)
 _A = TypeVar("_A")
 
 # Redis calls that found the Gateway's pool full are retried this often, this far apart.
-POOL_RETRIES = 50
-POOL_RETRY_S = 0.005
+_POOL_RETRIES = 50
+_POOL_RETRY_S = 0.005
+_R = TypeVar("_R")
+
+
+async def gated_call(
+    call: Callable[[list[_K]], Awaitable[_R]], keys: list[_K], gate: asyncio.Semaphore | None
+) -> _R:
+    """``call(keys)``, holding ``gate`` if given. Under a full load of saves the Gateway's
+    own stages may hold every pooled Redis connection for a moment: a call that finds the
+    pool full waits for one rather than fail the run."""
+    if gate is None:
+        return await _retried(call, keys)
+    async with gate:
+        return await _retried(call, keys)
+
+
+async def _retried(call: Callable[[list[_K]], Awaitable[_R]], keys: list[_K]) -> _R:
+    for _ in range(_POOL_RETRIES):
+        try:
+            return await call(keys)
+        except MaxConnectionsError:
+            await asyncio.sleep(_POOL_RETRY_S)
+    return await call(keys)
 
 
 class Batched(Generic[_K, _A]):
@@ -76,22 +98,6 @@ class Batched(Generic[_K, _A]):
             task.add_done_callback(self._tasks.discard)
         return fut
 
-    async def _call(self, keys: list[_K]) -> list[_A]:
-        # Under a full load of saves the Gateway's own stages may hold every pooled
-        # Redis connection for a moment: wait for one rather than fail the run.
-        for _ in range(POOL_RETRIES):
-            try:
-                return await self._run(keys)
-            except MaxConnectionsError:
-                await asyncio.sleep(POOL_RETRY_S)
-        return await self._run(keys)
-
-    async def _gated_call(self, keys: list[_K]) -> list[_A]:
-        if self._gate is None:
-            return await self._call(keys)
-        async with self._gate:
-            return await self._call(keys)
-
     async def _drain(self) -> None:
         batch: dict[_K, asyncio.Future[_A]] = {}
         more: dict[_K, list[asyncio.Future[_A]]] = {}
@@ -103,7 +109,7 @@ class Batched(Generic[_K, _A]):
                 batch, self._waiting = self._waiting, {}
                 more, self._more = self._more, {}
                 try:
-                    answers = await self._gated_call(list(batch))
+                    answers = await gated_call(self._run, list(batch), self._gate)
                 except Exception as exc:
                     _fail(batch, more, exc)
                 else:

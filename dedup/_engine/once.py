@@ -44,9 +44,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 import orjson
-from redis.exceptions import MaxConnectionsError, RedisError
+from redis.exceptions import RedisError
 
-from dedup._engine.keyed_batches import POOL_RETRIES, POOL_RETRY_S, Batched
+from dedup._engine.keyed_batches import Batched, gated_call
 from dedup._engine.write_stage import row_order, write_rows
 from dedup._values import encode_payload, validate_kind, validate_value
 from dedup.errors import DedupError, InvalidInput, Unavailable, WaitTimeout
@@ -150,14 +150,8 @@ class RunOnceState:
             ]
 
         async def redis(call: Callable[[list[bytes]], Awaitable[Any]], keys: list[bytes]) -> Any:
-            # The Redis step of a combined batch: gated and retried as Batched does.
-            async with gate:
-                for _ in range(POOL_RETRIES):
-                    try:
-                        return await call(keys)
-                    except MaxConnectionsError:
-                        await asyncio.sleep(POOL_RETRY_S)
-                return await call(keys)
+            # The Redis step of a combined batch: gated and retried as a Batched call is.
+            return await gated_call(call, keys, gate)
 
         async def claim_read(
             keys: list[tuple[bytes, str, bytes]],
