@@ -15,7 +15,9 @@ idempotency middleware.
       DEDUP_BENCH_GUARDED=1 gunicorn -k gthread --threads 32 bench.middleware_apps:wsgi_app
 
 Configured by environment: ``DEDUP_BENCH_REDIS``, ``DEDUP_BENCH_DATABASE`` (URLs),
-``DEDUP_BENCH_GUARDED`` (``1``: with the middleware), ``DEDUP_BENCH_KIND``.
+``DEDUP_BENCH_GUARDED`` (``1``: with the middleware; ``pass``: behind a pass-through
+middleware of the framework's own kind, which only calls the next layer: what any
+middleware costs before it does anything), ``DEDUP_BENCH_KIND``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,20 @@ def _settings() -> tuple[str, str, bool, str]:
         env.get("DEDUP_BENCH_GUARDED") == "1",
         env.get("DEDUP_BENCH_KIND", "bench"),
     )
+
+
+def _passing() -> bool:
+    return os.environ.get("DEDUP_BENCH_GUARDED") == "pass"
+
+
+class PassThrough:
+    """A pure ASGI middleware that only calls the app (as Starlette's docs write one)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
 
 
 def asgi_app() -> Any:
@@ -63,6 +79,8 @@ def asgi_app() -> Any:
             yield
 
     middleware = [Middleware(dedup.asgi.DedupMiddleware, gateway=gw, kind=kind)] if guarded else []
+    if _passing():
+        middleware = [Middleware(PassThrough)]
     return Starlette(
         routes=[Route("/t", endpoint, methods=["POST"])], middleware=middleware, lifespan=lifespan
     )
@@ -82,6 +100,8 @@ def _wsgi_app() -> Callable[..., Any]:
         return Response(BODY, status=201, mimetype="application/json")
 
     flask.add_url_rule("/t", "t", view, methods=["POST"])
+    if _passing():
+        return lambda environ, start_response: flask(environ, start_response)
     if not guarded:
         return flask
     gw = SyncGateway(redis_url, db_url)  # opened in the worker: gunicorn imports after forking
@@ -115,7 +135,14 @@ def serve_aiohttp(port: int) -> None:
         async with gw:
             yield
 
-    app = web.Application(middlewares=[dedup.aiohttp.middleware(gw, kind=kind)] if guarded else [])
+    @web.middleware
+    async def pass_through(request: web.Request, handler: Any) -> web.StreamResponse:
+        return await handler(request)  # type: ignore[no-any-return]
+
+    middlewares: list[Any] = [dedup.aiohttp.middleware(gw, kind=kind)] if guarded else []
+    if _passing():
+        middlewares = [pass_through]
+    app = web.Application(middlewares=middlewares)
     app.cleanup_ctx.append(gateway_ctx)
     app.router.add_post("/t", handler)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)

@@ -9,9 +9,11 @@ the bare handler in the same run:
 
 The apps are bench/middleware_apps.py: a handler that reads the body and answers a constant
 201. One app process (one worker), wrk with one thread and ``--connections`` (64)
-connections. Three workloads per framework, each against a fresh server:
+connections. Four workloads per framework, each against a fresh server:
 
 - ``bare``: no middleware (the baseline), the same requests;
+- ``pass``: the bare handler behind a pass-through middleware of the framework's own
+  kind (it only calls the next layer): the floor of any middleware on that server;
 - ``new``: the middleware, a fresh Idempotency-Key on every request;
 - ``replay``: the middleware, keys from a pool of ``--keys`` (1,000) answered once
   beforehand, so every request is a replay.
@@ -48,10 +50,12 @@ from dedup.store.migrate import upgrade  # noqa: E402
 from dedup.testing.servers import PostgresCluster, RedisServer  # noqa: E402
 
 FRAMEWORKS = ("asgi", "aiohttp", "wsgi")
-WORKLOADS = ("bare", "new", "replay")
+WORKLOADS = ("bare", "pass", "new", "replay")
 
 # wrk's script: POST /t with a body; an Idempotency-Key from the pool given as arguments
 # (``replay``: cycled), else a new one per request (``<run id>-<counter>``).
+_GUARDED = {"bare": "0", "pass": "pass"}  # DEDUP_BENCH_GUARDED of each workload (else "1")
+
 _WRK_SCRIPT = """
 local pool, n, prefix, counter = nil, 0, "", 0
 function init(args)
@@ -249,7 +253,7 @@ def main() -> None:
                             "PYTHONPATH": f"{root}{os.pathsep}{ROOT}",
                             "DEDUP_BENCH_REDIS": redis.url,
                             "DEDUP_BENCH_DATABASE": db_url,
-                            "DEDUP_BENCH_GUARDED": "0" if workload == "bare" else "1",
+                            "DEDUP_BENCH_GUARDED": _GUARDED.get(workload, "1"),
                             "DEDUP_BENCH_KIND": f"b{n}{workload}{uuid.uuid4().hex[:8]}",
                         }
                         tag = (f"-{i}" if len(roots) > 1 else "") + (f"-{rep}" if rep else "")
