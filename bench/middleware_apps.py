@@ -31,18 +31,15 @@ from typing import Any
 BODY = b'{"ok":true}'
 
 
-def _settings() -> tuple[str, str, bool, str]:
+def _settings() -> tuple[str, str, str, str]:
+    """The URLs, ``DEDUP_BENCH_GUARDED`` (``"1"``, ``"pass"``, else bare) and the kind."""
     env = os.environ
     return (
         env["DEDUP_BENCH_REDIS"],
         env["DEDUP_BENCH_DATABASE"],
-        env.get("DEDUP_BENCH_GUARDED") == "1",
+        env.get("DEDUP_BENCH_GUARDED", "0"),
         env.get("DEDUP_BENCH_KIND", "bench"),
     )
-
-
-def _passing() -> bool:
-    return os.environ.get("DEDUP_BENCH_GUARDED") == "pass"
 
 
 class PassThrough:
@@ -78,8 +75,10 @@ def asgi_app() -> Any:
         async with gw:
             yield
 
-    middleware = [Middleware(dedup.asgi.DedupMiddleware, gateway=gw, kind=kind)] if guarded else []
-    if _passing():
+    middleware = []
+    if guarded == "1":
+        middleware = [Middleware(dedup.asgi.DedupMiddleware, gateway=gw, kind=kind)]
+    elif guarded == "pass":
         middleware = [Middleware(PassThrough)]
     return Starlette(
         routes=[Route("/t", endpoint, methods=["POST"])], middleware=middleware, lifespan=lifespan
@@ -100,9 +99,9 @@ def _wsgi_app() -> Callable[..., Any]:
         return Response(BODY, status=201, mimetype="application/json")
 
     flask.add_url_rule("/t", "t", view, methods=["POST"])
-    if _passing():
+    if guarded == "pass":
         return lambda environ, start_response: flask(environ, start_response)
-    if not guarded:
+    if guarded != "1":
         return flask
     gw = SyncGateway(redis_url, db_url)  # opened in the worker: gunicorn imports after forking
     return dedup.wsgi.DedupMiddleware(flask, gateway=gw, kind=kind)
@@ -139,8 +138,10 @@ def serve_aiohttp(port: int) -> None:
     async def pass_through(request: web.Request, handler: Any) -> web.StreamResponse:
         return await handler(request)  # type: ignore[no-any-return]
 
-    middlewares: list[Any] = [dedup.aiohttp.middleware(gw, kind=kind)] if guarded else []
-    if _passing():
+    middlewares: list[Any] = []
+    if guarded == "1":
+        middlewares = [dedup.aiohttp.middleware(gw, kind=kind)]
+    elif guarded == "pass":
         middlewares = [pass_through]
     app = web.Application(middlewares=middlewares)
     app.cleanup_ctx.append(gateway_ctx)

@@ -52,10 +52,10 @@ from dedup.testing.servers import PostgresCluster, RedisServer  # noqa: E402
 FRAMEWORKS = ("asgi", "aiohttp", "wsgi")
 WORKLOADS = ("bare", "pass", "new", "replay")
 
-# wrk's script: POST /t with a body; an Idempotency-Key from the pool given as arguments
-# (``replay``: cycled), else a new one per request (``<run id>-<counter>``).
 _GUARDED = {"bare": "0", "pass": "pass"}  # DEDUP_BENCH_GUARDED of each workload (else "1")
 
+# wrk's script: POST /t with a body; an Idempotency-Key from the pool given as arguments
+# (``replay``: cycled), else a new one per request (``<run id>-<counter>``).
 _WRK_SCRIPT = """
 local pool, n, prefix, counter = nil, 0, "", 0
 function init(args)
